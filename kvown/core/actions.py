@@ -1,0 +1,125 @@
+"""Actions: what a core machine tells its driver to do, in the order it must be done.
+
+Owns: the output vocabulary of ``SenderCore.handle`` and ``ReceiverCore.handle``.
+
+Rules:
+  1. Actions are imperative (``PostWrite``, ``RetireBlocks``); events are past-tense facts.
+  2. The driver executes the returned list in order. Order is meaningful: a ``SendControl`` list for one
+     destination rank is the order on that rank's stream (for example every result before the
+     ``SessionQuiesced`` that follows it).
+  3. The core never performs an action itself: no I/O, no clock, no callbacks. ``FailStop`` is an action
+     too; the runtime's fail-stop executor carries it out.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvown.core.messages import Message
+
+
+class PieceKind(enum.Enum):
+    KV = "kv"
+    AUX = "aux"
+
+
+class Outcome(enum.Enum):
+    """A session's logical outcome. Committed once; never changes afterwards."""
+
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+
+
+class FatalReason(enum.Enum):
+    """Why a rank fail-stops. The runtime maps each to an exit code (see ``kvown.runtime.failstop``)."""
+
+    DEADLINE = "deadline"  # a claim was still unproven at its drain deadline
+    INVARIANT = "invariant"  # an INV-* check failed
+    ENGINE_CRASH = "engine_crash"  # an exception escaped a kvown thread
+    HANG = "hang"  # the heartbeat lapsed
+    RANK_CRASH = "rank_crash"  # the embedding server's executor loop died
+
+
+class Action:
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SendControl(Action):
+    """Send ``message`` to ``dst_rank`` on our ordered stream to it."""
+
+    dst_rank: int
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite(Action):
+    """Post one RDMA WRITE: source blocks ``src_blocks`` into the receiver's ``dst_blocks``.
+
+    The source KV is ready (its write-ready event completed) when this is emitted. The driver answers
+    with exactly one of ``WriteSubmitted`` / ``WriteNotSubmitted`` / ``WriteSubmitFailed`` and later,
+    for a submitted write, ``WriteCompleted`` or ``WriteFailed`` for the same ``op_id``.
+    """
+
+    op_id: int
+    request_id: int
+    receiver_rank: int
+    piece: int
+    kind: PieceKind
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    slice_index: int
+    num_slices: int
+    aux_slot: int  # -1 when kind is KV
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver(Action):
+    """Receiver: the logical transfer completed; the consumer may read the destination blocks."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Conclude(Action):
+    """A session's logical outcome was committed (the API resolves futures on this)."""
+
+    request_id: int
+    outcome: Outcome
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetireBlocks(Action):
+    """Receiver: every published writer is proven quiescent; return the destination blocks to the pool."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSource(Action):
+    """Sender: no writer reads these source blocks any more; the prefill server may reuse them."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRefused(Action):
+    """A new session was refused (fatal latched, quarantined, stale epoch). Nothing was created."""
+
+    request_id: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FailStop(Action):
+    """Kill the whole world. Sticky: once returned, the machine keeps every claim forever."""
+
+    reason: FatalReason
+    request_id: int | None
+    detail: str
