@@ -1,0 +1,245 @@
+"""KV block geometry: how many bytes a block holds and where each part of it lives.
+
+Owns: ``KVLayout`` (the shape of one rank's KV pool) and ``Plane`` (one kind of per-token data: K, V,
+an MLA latent, NVFP4 packed values or their scales). Standard K/V, MLA and NVFP4 differ only in their
+planes, which are data: there is no separate code path per format.
+
+Memory order (one choice, used everywhere):
+
+    pool  = block[0] block[1] ... block[num_blocks - 1]                   (blocks outermost)
+    block = head[0] ... head[num_kv_heads - 1]                            (heads next)
+    head  = layer[0] ... layer[num_layers - 1]
+    layer = plane[0] ... plane[-1]; plane = token[0] ... token[tokens_per_block - 1]
+    token = the plane's bytes for one (token, head): e.g. head_dim values of dtype
+
+Why this order:
+  * Each block is ONE contiguous byte range, so a run of consecutive block ids is one contiguous range
+    and a transfer needs one NIXL descriptor per run, not per layer or per block (``block_ranges``).
+  * Heads are outermost inside a block, so a head slice (fan-in: K writers each own a disjoint slice
+    of every block) is ONE contiguous range too (``head_slice_ranges``). A writer that holds only its
+    slice of heads has a block whose bytes are exactly that range (``slice_layout``).
+  * The cost: an attention kernel that wants all heads of one layer contiguous must stride over
+    heads. A real engine's kernels decide the order; kvown only needs ranges, so if it must match an
+    engine's order later, ``head_slice_ranges`` returns several ranges instead of one.
+
+Rules:
+  1. Every field is validated in the constructor; a bad one raises ``ConfigError`` naming the field.
+  2. ``geometry_digest`` covers everything that decides where a byte of a block lives (not
+     ``num_blocks``: pools of different capacity exchange blocks of the same geometry).
+  3. Offsets returned here are byte offsets from the start of the pool.
+
+Invariants:
+  1. ``block_nbytes == num_kv_heads * head_nbytes`` and
+     ``head_nbytes == num_layers * tokens_per_block * sum(plane nbytes per (token, head))``.
+  2. ``head_slice_ranges`` of the ``num_slices`` slices of a block are disjoint and cover the block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable
+
+from kvown.core.errors import ConfigError, LocalProtocolError, PeerProtocolError
+
+# Element sizes of the dtypes a plane may hold. Stored as names so the layout (and its digest) does
+# not depend on torch; the pool maps names to torch dtypes.
+DTYPE_NBYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+NVFP4_GROUP_SIZE = 16  # values that share one scale
+LAYOUT_ORDER = "block>head>layer>plane>token"  # part of the digest: a change of order changes it
+
+
+@dataclasses.dataclass(frozen=True)
+class Plane:
+    """One kind of per-(token, head) data in every layer, e.g. K, V, an MLA latent or NVFP4 scales."""
+
+    name: str
+    dtype: str  # a key of DTYPE_NBYTES
+    elements_per_token: int  # per (token, head, layer)
+
+    @property
+    def nbytes_per_token(self) -> int:
+        return self.elements_per_token * DTYPE_NBYTES[self.dtype]
+
+
+def _require_positive_int(value: object, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{field} must be a positive int", field=field, value=value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one KV pool. Build with ``standard``, ``mla`` or ``nvfp4``; see the module header."""
+
+    num_layers: int
+    num_blocks: int
+    tokens_per_block: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # the model's KV dtype name (what the planes encode)
+    planes: tuple[Plane, ...]
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_blocks", "tokens_per_block", "num_kv_heads", "head_dim"):
+            _require_positive_int(getattr(self, field), field)
+        if self.dtype not in DTYPE_NBYTES:
+            raise ConfigError("unknown dtype", field="dtype", value=self.dtype, fix=f"use one of {sorted(DTYPE_NBYTES)}")
+        if not isinstance(self.planes, tuple) or not self.planes:
+            raise ConfigError("a layout needs a non-empty tuple of planes", field="planes")
+        names = [plane.name for plane in self.planes]
+        if len(set(names)) != len(names):
+            raise ConfigError("plane names must be unique", field="planes", value=names)
+        for plane in self.planes:
+            if plane.dtype not in DTYPE_NBYTES:
+                raise ConfigError("unknown plane dtype", field="planes", plane=plane.name, value=plane.dtype)
+            _require_positive_int(plane.elements_per_token, "planes")
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def standard(
+        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+        dtype: str = "bfloat16",
+    ) -> KVLayout:
+        """K and V planes of ``head_dim`` values of ``dtype`` per (token, head)."""
+        planes = (Plane("k", dtype, head_dim), Plane("v", dtype, head_dim))
+        return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, dtype, planes)
+
+    @classmethod
+    def mla(
+        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, latent_dim: int, dtype: str = "bfloat16"
+    ) -> KVLayout:
+        """One latent plane (compressed KV plus rope part, ``latent_dim`` values) shared by all heads.
+
+        ``num_kv_heads`` is 1, so an MLA block has a single head slice: fan-in writers replicate
+        rather than split it.
+        """
+        planes = (Plane("latent", dtype, latent_dim),)
+        return cls(num_layers, num_blocks, tokens_per_block, 1, latent_dim, dtype, planes)
+
+    @classmethod
+    def nvfp4(
+        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int
+    ) -> KVLayout:
+        """K and V as NVFP4: E2M1 values packed two per byte plus one FP8 (E4M3) scale per 16 values."""
+        _require_positive_int(head_dim, "head_dim")
+        if head_dim % NVFP4_GROUP_SIZE:
+            raise ConfigError(
+                "NVFP4 needs head_dim divisible by the scale group size", field="head_dim", value=head_dim,
+                group_size=NVFP4_GROUP_SIZE,
+            )
+        planes = (
+            Plane("k_values", "uint8", head_dim // 2),
+            Plane("k_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE),
+            Plane("v_values", "uint8", head_dim // 2),
+            Plane("v_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE),
+        )
+        return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", planes)
+
+    # ---- sizes --------------------------------------------------------------------------------
+
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of one head's data (all layers, all planes) inside one block."""
+        return self.num_layers * self.tokens_per_block * sum(plane.nbytes_per_token for plane in self.planes)
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.num_kv_heads * self.head_nbytes
+
+    @property
+    def pool_nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    def plane_block_nbytes(self, plane_name: str) -> int:
+        """Bytes of one plane in one block (all heads and layers)."""
+        for plane in self.planes:
+            if plane.name == plane_name:
+                return self.num_kv_heads * self.num_layers * self.tokens_per_block * plane.nbytes_per_token
+        raise ConfigError("no such plane", field="plane_name", value=plane_name, planes=[p.name for p in self.planes])
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    def geometry_digest(self) -> str:
+        """sha256 hex of a canonical description of the block geometry (rule 2).
+
+        Called: at handshake time, by both sides; a mismatch means the peers disagree on where bytes go.
+        """
+        description = {
+            "order": LAYOUT_ORDER,
+            "num_layers": self.num_layers,
+            "tokens_per_block": self.tokens_per_block,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "planes": [[plane.name, plane.dtype, plane.elements_per_token] for plane in self.planes],
+        }
+        canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def slice_layout(self, num_slices: int) -> KVLayout:
+        """The layout of a writer that holds ``1/num_slices`` of the heads (same pool size in blocks).
+
+        Its ``block_nbytes`` equals the length of each ``head_slice_ranges`` range, byte for byte.
+        """
+        heads = self._heads_per_slice(num_slices)
+        return dataclasses.replace(self, num_kv_heads=heads)
+
+    # ---- byte ranges --------------------------------------------------------------------------
+
+    def check_block_ids(self, block_ids: Iterable[int], *, field: str = "block_ids") -> None:
+        """Raise ``PeerProtocolError`` naming ``field`` if any id is not a block of this layout.
+
+        Called: on the engine thread when decoding a peer's block table. Changes nothing.
+        """
+        for block in block_ids:
+            if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+                raise PeerProtocolError("block id out of range", field=field, block=block, num_blocks=self.num_blocks)
+
+    def block_ranges(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """(offset, nbytes) ranges covering ``block_ids`` in the given order, merging consecutive ids.
+
+        ``[4, 5, 6, 9]`` gives two ranges. Ids must be in range (``check_block_ids`` first for peer input).
+        """
+        ranges: list[tuple[int, int]] = []
+        size = self.block_nbytes
+        for block in block_ids:
+            offset = block * size
+            if ranges and ranges[-1][0] + ranges[-1][1] == offset:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+            else:
+                ranges.append((offset, size))
+        return ranges
+
+    def head_slice_ranges(self, block: int, slice_index: int, num_slices: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) ranges of heads ``[slice_index * h, (slice_index + 1) * h)`` of ``block``.
+
+        With the head-outermost order this is always one range; it is a list so that callers do not
+        change if the order ever must follow an engine's (see the module header).
+        """
+        heads = self._heads_per_slice(num_slices)
+        if not 0 <= slice_index < num_slices:
+            raise LocalProtocolError("slice_index out of range", field="slice_index", value=slice_index, num_slices=num_slices)
+        if not 0 <= block < self.num_blocks:
+            raise LocalProtocolError("block out of range", field="block", value=block, num_blocks=self.num_blocks)
+        nbytes = heads * self.head_nbytes
+        return [(block * self.block_nbytes + slice_index * nbytes, nbytes)]
+
+    def _heads_per_slice(self, num_slices: int) -> int:
+        _require_positive_int(num_slices, "num_slices")
+        if self.num_kv_heads % num_slices:
+            raise ConfigError(
+                "num_slices must divide num_kv_heads", field="num_slices", value=num_slices,
+                num_kv_heads=self.num_kv_heads,
+            )
+        return self.num_kv_heads // num_slices

@@ -1,0 +1,243 @@
+"""KV block pool: one torch byte tensor, cut into blocks, with an ownership state per block.
+
+Owns: the storage of one rank's KV blocks (CPU or CUDA) and the state of every block.
+
+    FREE --allocate--> OWNED --hold--> HELD
+      ^                  |               |
+      +-----retire-------+-------retire--+
+
+  FREE   in the free list; nobody may write it.
+  OWNED  given to one owner (a request) that is receiving into it.
+  HELD   the owner's transfer ended without proof that every writer is quiescent; the blocks wait
+         for that proof (then ``retire``) or for fail-stop. Nothing else may reuse them.
+
+Rules:
+  1. Blocks go back to FREE only through ``retire`` (the retirement path); there is no other way.
+  2. Every mutator validates all its arguments before it changes anything: a raise leaves the pool
+     exactly as it was.
+  3. Cost is proportional to the blocks touched: no mutator scans the pool. ``check(deep=True)`` is
+     the one full scan, for tests and diagnostics.
+  4. Single writer: the pool belongs to one rank's engine thread. It has no lock.
+
+Invariants (checked after every mutation; a failure raises ``InvariantViolation``):
+  INV-POOL-1  total == free + owned + held.
+  INV-POOL-2  (deep) every block's state agrees with the free list and the per-owner index, and no
+              block appears twice in either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable, Iterable
+
+import torch
+
+from kvown.cache.layout import KVLayout
+from kvown.core.errors import ConfigError, InvariantViolation, KvownError, LocalProtocolError
+
+
+class BlockState(enum.Enum):
+    FREE = "FREE"  # in the free list: retired with proof, or never used
+    OWNED = "OWNED"  # allocated to an owner that is receiving into it
+    HELD = "HELD"  # the owner's writers are not yet proven quiescent
+
+
+class PoolExhausted(KvownError):
+    """Not enough FREE blocks for an allocation. Nothing was allocated; the caller may retry later.
+
+    Not a protocol error: it is back-pressure, so it is its own class (fields ``requested``, ``free``).
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStatistics:
+    total: int
+    free: int
+    owned: int
+    held: int
+
+
+class KVPool:
+    """The blocks of one ``KVLayout`` in one contiguous torch uint8 tensor on ``device``."""
+
+    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu") -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("CUDA pool asked for, but torch sees no CUDA device", field="device", value=str(device))
+        if self.device.type not in {"cpu", "cuda"}:
+            raise ConfigError("pool device must be cpu or cuda", field="device", value=str(device))
+        # Zero-filled so a block never shows another run's stale bytes.
+        self.tensor = torch.zeros(layout.pool_nbytes, dtype=torch.uint8, device=self.device)
+        self._block_nbytes = layout.block_nbytes
+        self._state = [BlockState.FREE] * layout.num_blocks
+        self._owner: list[Hashable | None] = [None] * layout.num_blocks
+        # A stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ... (contiguous runs).
+        self._free = list(range(layout.num_blocks - 1, -1, -1))
+        self._by_owner: dict[Hashable, dict[int, None]] = {}  # owner -> its OWNED and HELD blocks, in order
+        self._num_owned = 0
+        self._num_held = 0
+
+    # ---- addresses ----------------------------------------------------------------------------
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 (what NIXL registers); block b starts ``b * block_nbytes`` later."""
+        return int(self.tensor.data_ptr())
+
+    def block_addr(self, block: int) -> int:
+        self._check_index(block, "block")
+        return self.base_addr + block * self._block_nbytes
+
+    def block_view(self, block: int) -> torch.Tensor:
+        """The block's bytes as a uint8 view (no copy).
+
+        Ownership: the view does not change the block's state; only an OWNED block's owner should write it.
+        """
+        self._check_index(block, "block")
+        start = block * self._block_nbytes
+        return self.tensor[start : start + self._block_nbytes]
+
+    # ---- state changes ------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int, owner: Hashable) -> tuple[int, ...]:
+        """Take ``num_blocks`` FREE blocks for ``owner``.
+
+        Called: by the engine thread, once per request (or per growth step).
+        Ownership: the returned blocks are OWNED by ``owner`` until ``retire``.
+        After error: ``PoolExhausted`` or ``LocalProtocolError``; nothing changed.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise LocalProtocolError("num_blocks must be a non-negative int", field="num_blocks", value=num_blocks)
+        if owner is None:
+            raise LocalProtocolError("owner must not be None", field="owner")
+        if num_blocks > len(self._free):
+            raise PoolExhausted("not enough free blocks", requested=num_blocks, free=len(self._free), owner=owner)
+        taken = tuple(self._free.pop() for _ in range(num_blocks))
+        owned = self._by_owner.setdefault(owner, {})
+        for block in taken:
+            self._state[block] = BlockState.OWNED
+            self._owner[block] = owner
+            owned[block] = None
+        if not owned:
+            del self._by_owner[owner]  # allocate(0) leaves no empty entry behind
+        self._num_owned += num_blocks
+        self.check()
+        return taken
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        """OWNED -> HELD: these blocks wait for proof that every writer is quiescent.
+
+        Called: by the engine thread when a transfer ends in doubt, is cancelled, or fails.
+        Ownership: unchanged owner; nothing may reuse the blocks until ``retire``.
+        After error: ``LocalProtocolError`` (out of range, duplicate, not OWNED); nothing changed.
+        """
+        blocks = self._validated(blocks, allowed={BlockState.OWNED}, owner=None)
+        for block in blocks:
+            self._state[block] = BlockState.HELD
+        self._num_owned -= len(blocks)
+        self._num_held += len(blocks)
+        self.check()
+
+    def retire(self, blocks: Iterable[int], owner: Hashable) -> None:
+        """OWNED or HELD -> FREE: the only way back to the free list (rule 1).
+
+        Called: by the engine thread, on the retirement path only, once every published writer of
+        these blocks is proven quiescent (or, for OWNED blocks, was never published).
+        Ownership: the blocks belong to the pool again; ``owner`` must not touch them.
+        After error: ``LocalProtocolError`` (out of range, duplicate, FREE, or another owner's); nothing changed.
+        """
+        if owner is None:
+            raise LocalProtocolError("owner must not be None", field="owner")
+        blocks = self._validated(blocks, allowed={BlockState.OWNED, BlockState.HELD}, owner=owner)
+        owned = self._by_owner[owner]
+        for block in blocks:
+            if self._state[block] is BlockState.HELD:
+                self._num_held -= 1
+            else:
+                self._num_owned -= 1
+            self._state[block] = BlockState.FREE
+            self._owner[block] = None
+            del owned[block]
+        # Pushed in reverse so the next allocation of this size gets them back in the same order.
+        self._free.extend(reversed(blocks))
+        if not owned:
+            del self._by_owner[owner]
+        self.check()
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def state(self, block: int) -> BlockState:
+        self._check_index(block, "block")
+        return self._state[block]
+
+    def owned_by(self, owner: Hashable) -> tuple[int, ...]:
+        """The OWNED and HELD blocks of ``owner``, in allocation order (empty if none)."""
+        return tuple(self._by_owner.get(owner, ()))
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            total=self.layout.num_blocks, free=len(self._free), owned=self._num_owned, held=self._num_held
+        )
+
+    def check(self, *, deep: bool = False) -> None:
+        """Raise ``InvariantViolation`` if INV-POOL-1 (or, with ``deep``, INV-POOL-2) fails.
+
+        Called: after every mutation (O(1)); ``deep`` scans the whole pool, for tests and diagnostics.
+        """
+        stats = self.statistics()
+        if stats.total != stats.free + stats.owned + stats.held:
+            raise InvariantViolation("INV-POOL-1: total != free + owned + held", statistics=stats)
+        if deep:
+            self._check_deep(stats)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _check_deep(self, stats: PoolStatistics) -> None:
+        counts = {state: 0 for state in BlockState}
+        for state in self._state:
+            counts[state] += 1
+        indexed = [block for blocks in self._by_owner.values() for block in blocks]
+        problems = []
+        if (counts[BlockState.FREE], counts[BlockState.OWNED], counts[BlockState.HELD]) != (
+            stats.free, stats.owned, stats.held
+        ):
+            problems.append("state counts disagree with the counters")
+        if len(set(self._free)) != len(self._free) or any(self._state[b] is not BlockState.FREE for b in self._free):
+            problems.append("free list holds a duplicate or a non-FREE block")
+        if len(set(indexed)) != len(indexed) or len(indexed) != stats.owned + stats.held:
+            problems.append("owner index holds a duplicate or misses a block")
+        for owner, blocks in self._by_owner.items():
+            if not blocks or any(self._owner[b] != owner or self._state[b] is BlockState.FREE for b in blocks):
+                problems.append(f"owner index of {owner!r} disagrees with block states")
+        if problems:
+            raise InvariantViolation("INV-POOL-2: pool bookkeeping is inconsistent", problems=problems, statistics=stats)
+
+    def _check_index(self, block: object, field: str) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.layout.num_blocks:
+            raise LocalProtocolError("block id out of range", field=field, block=block, num_blocks=self.layout.num_blocks)
+
+    def _validated(
+        self, blocks: Iterable[int], *, allowed: set[BlockState], owner: Hashable | None
+    ) -> list[int]:
+        """All checks of rule 2, before any change: range, duplicates, state, and owner when given."""
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            self._check_index(block, "blocks")
+            if block in seen:
+                raise LocalProtocolError("block listed twice", field="blocks", block=block)
+            seen.add(block)
+            state = self._state[block]
+            if state not in allowed:
+                raise LocalProtocolError(
+                    "block is in the wrong state", field="blocks", block=block, state=state.name,
+                    allowed=sorted(s.name for s in allowed),
+                )
+            if owner is not None and self._owner[block] != owner:
+                raise LocalProtocolError(
+                    "block belongs to another owner", field="owner", block=block, owner=owner,
+                    actual_owner=self._owner[block],
+                )
+        return blocks
