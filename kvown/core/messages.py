@@ -1,0 +1,371 @@
+"""Control-plane messages: the protocol's vocabulary and the validation of untrusted fields.
+
+Owns: every message kind, its fields and their legal ranges, the envelope (version, stream, sequence
+number) and the authentication tag.
+
+Rules:
+  1. A frame on the wire is ``body || tag``: ``body`` is a msgpack array (packed by the codec adapter,
+     ``kvown.adapters.codec``) of ``[version, kind, src_rank, dst_rank, seq, *fields]`` and ``tag`` is
+     HMAC-SHA256(job key, body). The tag is checked (constant time) before anything is decoded.
+  2. ``from_wire`` validates every field's type and range and raises ``PeerProtocolError`` naming the
+     first bad field. It builds a new object and touches no state, so a rejected message changes
+     nothing.
+  3. A stream is one direction between two ranks, ``(src_rank, dst_rank)``; ``seq`` starts at 0 and
+     grows by one per message on that stream (``streams`` enforces the order).
+  4. Never pickle. Sizes are capped (``MAX_FRAME_NBYTES``, ``MAX_BLOCKS``) before and while decoding.
+
+Invariants:
+  INV-M1: ``from_wire(to_wire(m)) == m`` for every valid message ``m``.
+  INV-M2: every rejected frame raises ``PeerProtocolError`` with ``field`` set; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
+
+from kvown.core.errors import PeerProtocolError
+from kvown.core.ids import is_valid_request_id
+
+PROTOCOL_VERSION = 1
+CAPABILITIES = ("session_quiesced", "epoch_fence", "in_doubt")
+TAG_NBYTES = 32
+MAX_FRAME_NBYTES = 1 << 20
+MAX_BLOCKS = 1 << 16
+MAX_RANK = (1 << 16) - 1
+MAX_PIECE = (1 << 20) - 1
+MAX_NBYTES = 1 << 48
+MAX_SLICES = 1024
+MAX_SEQ = (1 << 63) - 1
+MIN_KEY_NBYTES = 16
+
+
+class ControlKind(enum.IntEnum):
+    HELLO = 1
+    REQUEST_DATA = 2
+    KV_RESULT = 3
+    AUX_RESULT = 4
+    CANCEL_SESSION = 5
+    SESSION_QUIESCED = 6
+    WATERMARK = 7
+
+
+class ResultStatus(enum.IntEnum):
+    """What a writer reports for one piece."""
+
+    SUCCESS = 0  # the WRITE reached DONE: the bytes landed
+    FAILED = 1  # never submitted: nothing can touch the destination for this piece
+    IN_DOUBT = 2  # ended without proof the backend stopped touching memory
+    FAILED_QUIESCED = 3  # an earlier IN_DOUBT piece's handle finally reported DONE
+
+
+# ---- field validators: each returns the value or raises PeerProtocolError(field=...) --------------
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if type(value) is not int or not (lo <= value <= hi):
+            raise PeerProtocolError("integer field out of range", field=name, value=_short(value))
+        return value
+
+    return check
+
+
+def _bool(name: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise PeerProtocolError("expected a boolean", field=name, value=_short(value))
+    return value
+
+
+def _request_id(name: str, value: Any) -> int:
+    if not is_valid_request_id(value):
+        raise PeerProtocolError("invalid request id", field=name, value=_short(value))
+    return value
+
+
+def _blocks(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_BLOCKS:
+        raise PeerProtocolError("expected a list of at most MAX_BLOCKS block ids", field=name)
+    for b in value:
+        if type(b) is not int or not (0 <= b < (1 << 31)):
+            raise PeerProtocolError("block id out of range", field=name, value=_short(b))
+    return tuple(value)
+
+
+def _digest(name: str, value: Any) -> str:
+    if type(value) is not str or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise PeerProtocolError("expected a sha256 hex digest", field=name, value=_short(value))
+    return value
+
+
+def _names(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > 16:
+        raise PeerProtocolError("expected at most 16 capability names", field=name)
+    for v in value:
+        if type(v) is not str or not (0 < len(v) <= 32):
+            raise PeerProtocolError("bad capability name", field=name, value=_short(v))
+    return tuple(value)
+
+
+def _enum(cls: type[enum.IntEnum]) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> Any:
+        try:
+            if type(value) is not int:
+                raise ValueError
+            return cls(value)
+        except ValueError:
+            raise PeerProtocolError(f"not a {cls.__name__}", field=name, value=_short(value)) from None
+
+    return check
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_rank = _int_in(0, MAX_RANK)
+_piece = _int_in(0, MAX_PIECE)
+_nbytes = _int_in(0, MAX_NBYTES)
+_epoch = _int_in(0, (1 << 31) - 1)
+
+
+# ---- messages -----------------------------------------------------------------------------------
+
+
+class Message:
+    """Base of every control message. Subclasses are frozen dataclasses with a field schema."""
+
+    __slots__ = ()
+    KIND: ClassVar[ControlKind]
+    SCHEMA: ClassVar[dict[str, Callable[[str, Any], Any]]]
+
+    def to_fields(self) -> list[Any]:
+        return [_plain(getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.IntEnum):
+        return int(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Handshake: who I am and what I speak. A mismatch is refused before any publication."""
+
+    rank: int
+    protocol_version: int
+    capabilities: tuple[str, ...]
+    geometry_digest: str
+    KIND: ClassVar[ControlKind] = ControlKind.HELLO
+    SCHEMA: ClassVar[dict] = {
+        "rank": _rank,
+        "protocol_version": _int_in(0, 1 << 16),
+        "capabilities": _names,
+        "geometry_digest": _digest,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestData(Message):
+    """Publication: the receiver tells one writer where its destination blocks are.
+
+    Once this is queued, that writer is a *published writer* of the destination and may write into
+    ``dst_blocks`` (its head slice ``slice_index`` of ``num_slices``) until it quiesces.
+    ``aux_slot`` is -1 when there is no auxiliary payload; only slice 0 writes it.
+    """
+
+    request_id: int
+    receiver_rank: int
+    dst_blocks: tuple[int, ...]
+    slice_index: int
+    num_slices: int
+    aux_slot: int
+    KIND: ClassVar[ControlKind] = ControlKind.REQUEST_DATA
+    SCHEMA: ClassVar[dict] = {
+        "request_id": _request_id,
+        "receiver_rank": _rank,
+        "dst_blocks": _blocks,
+        "slice_index": _int_in(0, MAX_SLICES - 1),
+        "num_slices": _int_in(1, MAX_SLICES),
+        "aux_slot": _int_in(-1, (1 << 31) - 1),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class KvResult(Message):
+    """A writer's report on one KV piece. ``is_last``: the writer will admit no further piece for this
+    (request, receiver) stream and has no piece in flight (only IN_DOUBT pieces may remain)."""
+
+    writer_rank: int
+    request_id: int
+    piece: int
+    is_last: bool
+    status: ResultStatus
+    nbytes: int
+    KIND: ClassVar[ControlKind] = ControlKind.KV_RESULT
+    SCHEMA: ClassVar[dict] = {
+        "writer_rank": _rank,
+        "request_id": _request_id,
+        "piece": _piece,
+        "is_last": _bool,
+        "status": _enum(ResultStatus),
+        "nbytes": _nbytes,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class AuxResult(Message):
+    """Like ``KvResult`` for the auxiliary piece (first tokens and counts), written by slice 0 only."""
+
+    writer_rank: int
+    request_id: int
+    piece: int
+    is_last: bool
+    status: ResultStatus
+    nbytes: int
+    KIND: ClassVar[ControlKind] = ControlKind.AUX_RESULT
+    SCHEMA: ClassVar[dict] = KvResult.SCHEMA
+
+
+@dataclass(frozen=True, slots=True)
+class CancelSession(Message):
+    """Receiver -> writer: stop; then answer with SESSION_QUIESCED on the same stream.
+
+    Carries its own routing (``receiver_rank``) so a writer that never saw the request, or already
+    dropped its metadata, can still answer.
+    """
+
+    request_id: int
+    receiver_rank: int
+    KIND: ClassVar[ControlKind] = ControlKind.CANCEL_SESSION
+    SCHEMA: ClassVar[dict] = {"request_id": _request_id, "receiver_rank": _rank}
+
+
+@dataclass(frozen=True, slots=True)
+class SessionQuiesced(Message):
+    """Writer -> receiver: for this request I have no admitted, submitting, submitted or in-doubt write
+    to you, and never will again. Sent after every earlier result on the stream."""
+
+    writer_rank: int
+    request_id: int
+    KIND: ClassVar[ControlKind] = ControlKind.SESSION_QUIESCED
+    SCHEMA: ClassVar[dict] = {"writer_rank": _rank, "request_id": _request_id}
+
+
+@dataclass(frozen=True, slots=True)
+class Watermark(Message):
+    """A rank advertises the lowest admission epoch it may still admit. Never decreases."""
+
+    rank: int
+    epoch: int
+    KIND: ClassVar[ControlKind] = ControlKind.WATERMARK
+    SCHEMA: ClassVar[dict] = {"rank": _rank, "epoch": _epoch}
+
+
+MESSAGE_TYPES: dict[ControlKind, type[Message]] = {
+    cls.KIND: cls for cls in (Hello, RequestData, KvResult, AuxResult, CancelSession, SessionQuiesced, Watermark)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One authenticated, decoded frame: which stream, which position, which message."""
+
+    src_rank: int
+    dst_rank: int
+    seq: int
+    message: Message
+
+
+def to_wire(envelope: Envelope) -> list[Any]:
+    """The plain list the codec packs: ``[version, kind, src, dst, seq, *fields]``."""
+    m = envelope.message
+    return [PROTOCOL_VERSION, int(m.KIND), envelope.src_rank, envelope.dst_rank, envelope.seq, *m.to_fields()]
+
+
+def from_wire(obj: Any) -> Envelope:
+    """Validate an unpacked frame body. Raises ``PeerProtocolError(field=...)``; changes no state."""
+    if not isinstance(obj, (list, tuple)) or len(obj) < 5:
+        raise PeerProtocolError("frame body must be an array of at least 5 items", field="body")
+    version, kind, src, dst, seq, *values = obj
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise PeerProtocolError(
+            "peer speaks another protocol version", field="version", got=_short(version), want=PROTOCOL_VERSION
+        )
+    cls = MESSAGE_TYPES.get(_enum(ControlKind)("kind", kind))
+    assert cls is not None
+    src, dst = _rank("src_rank", src), _rank("dst_rank", dst)
+    seq = _int_in(0, MAX_SEQ)("seq", seq)
+    names = list(cls.SCHEMA)
+    if len(values) != len(names):
+        raise PeerProtocolError(
+            "wrong number of fields", field=cls.KIND.name.lower(), got=len(values), want=len(names)
+        )
+    kwargs = {name: cls.SCHEMA[name](name, value) for name, value in zip(names, values)}
+    return Envelope(src, dst, seq, cls(**kwargs))
+
+
+# ---- authentication -----------------------------------------------------------------------------
+
+
+def check_key(key: bytes) -> bytes:
+    from kvown.core.errors import ConfigError
+
+    if not isinstance(key, bytes) or len(key) < MIN_KEY_NBYTES:
+        raise ConfigError(
+            "the per-job key must be at least 16 bytes",
+            field="job_key",
+            fix="let rank 0 generate it (secrets.token_bytes(32)) or set KVOWN_JOB_KEY",
+        )
+    return key
+
+
+def seal(body: bytes, key: bytes) -> bytes:
+    """Append HMAC-SHA256(key, body). Called once per outgoing frame."""
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def unseal(frame: bytes, key: bytes) -> bytes:
+    """Check size and tag in constant time; return the body. Raises ``PeerProtocolError``."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise PeerProtocolError("frame is not bytes", field="frame")
+    if len(frame) > MAX_FRAME_NBYTES:
+        raise PeerProtocolError("frame larger than the cap", field="frame", nbytes=len(frame))
+    if len(frame) <= TAG_NBYTES:
+        raise PeerProtocolError("frame shorter than its tag", field="tag", nbytes=len(frame))
+    body, tag = bytes(frame[:-TAG_NBYTES]), bytes(frame[-TAG_NBYTES:])
+    if not hmac.compare_digest(tag, hmac.new(key, body, hashlib.sha256).digest()):
+        raise PeerProtocolError("authentication tag does not match (forged or wrong job key)", field="tag")
+    return body
+
+
+def check_hello(local: Hello, peer: Hello) -> None:
+    """Refuse a peer that speaks another version, lacks a capability, or has another KV geometry."""
+    if peer.protocol_version != local.protocol_version:
+        raise PeerProtocolError(
+            "peer speaks another kvown protocol version; run the same kvown release on every rank",
+            field="protocol_version",
+            peer_rank=peer.rank,
+            got=peer.protocol_version,
+            want=local.protocol_version,
+        )
+    missing = sorted(set(local.capabilities) - set(peer.capabilities))
+    if missing:
+        raise PeerProtocolError(
+            "peer lacks a required capability", field="capabilities", peer_rank=peer.rank, missing=missing
+        )
+    if peer.geometry_digest != local.geometry_digest:
+        raise PeerProtocolError(
+            "peer's KV cache geometry differs (layers, heads, block size or dtype)",
+            field="geometry_digest",
+            peer_rank=peer.rank,
+            got=peer.geometry_digest[:12],
+            want=local.geometry_digest[:12],
+        )

@@ -1,0 +1,482 @@
+"""Receiver (generation side): the evidence ledger that decides when destination blocks may retire.
+
+Owns: for every live receive session, who was published, what each writer reported, the logical
+outcome, the local completions still pending, and the retirement clock; for the rank, the fence and
+the admission quarantine.
+
+Theory of operation:
+  OpenReceive publishes the destination (REQUEST_DATA to every writer). Writers answer per piece
+  (KV_RESULT, AUX_RESULT) and, when asked with CANCEL_SESSION, with SESSION_QUIESCED after every
+  earlier result. The *logical* outcome (completed, cancelled, failed, timed out) is committed once.
+  The *physical* side retires the blocks only when every published writer is settled and nothing
+  local is pending. Until then the blocks are held; if the fail-stop deadline passes first, the
+  rank fail-stops instead.
+
+Rules:
+  1. Only a published writer's evidence counts. A result from outside the published set, from a second
+     writer claiming an already-claimed head slice, a contradictory repeat, or any result after the
+     writer's stream ended (except FAILED_QUIESCED for an in-doubt piece) is *invalid evidence*: the
+     session is disputed (it can never retire: it drains to a fail-stop) and admission is quarantined.
+  2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
+     SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
+  3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed;
+     from anyone else it is a ``PeerProtocolError`` (and quarantines); for an unknown request or an
+     uncommitted session it is stale or unsolicited: ignored and counted.
+  4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
+     settles that piece only after that writer's IN_DOUBT for it.
+  5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
+     number), to every published writer not yet settled, once.
+
+Invariants:
+  INV-R1: RetireBlocks(r) is emitted only when every published writer of r is settled, no local
+          completion is pending and r is not disputed.
+  INV-R2: the outcome of a session is committed at most once.
+  INV-R3: each (writer, piece kind, piece) result is counted at most once.
+  INV-R4: after FailStop nothing retires.
+
+Tools that read this table: ``kvown.docs_gen`` (docs/state-machines.md) and tests/core/test_totality.py.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvown.core.actions import (
+    Action,
+    AdmissionRefused,
+    Conclude,
+    Deliver,
+    FailStop,
+    FatalReason,
+    Outcome,
+    RetireBlocks,
+    SendControl,
+)
+from kvown.core.deadline import RetirementClock
+from kvown.core.errors import LocalProtocolError, PeerProtocolError
+from kvown.core.events import (
+    CancelRequested,
+    Event,
+    LocalCompletionDone,
+    LocalCompletionPending,
+    MessageReceived,
+    OpenReceive,
+    PublicationSent,
+    ReleaseRequested,
+)
+from kvown.core.fence import CancelOrigin
+from kvown.core.ids import is_valid_request_id
+from kvown.core.machine import CoreConfig, RankCore
+from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
+
+
+class RxState(enum.Enum):
+    IDLE = "idle"  # created by a born-cancelled open; nothing published
+    PUBLISHING = "publishing"  # REQUEST_DATA queued, waiting for PublicationSent
+    ACTIVE = "active"  # published; collecting evidence; no outcome yet
+    DELIVERED = "delivered"  # completed: the consumer may read; waiting for release and settlement
+    DRAINING = "draining"  # outcome committed; waiting for every claim to settle
+    RETIRED = "retired"  # blocks returned (terminal)
+    FATAL = "fatal"  # claims unproven at the deadline (terminal, sticky)
+
+
+class RxInput(enum.Enum):
+    PUBLICATION_SENT = "publication_sent"
+    CANCEL = "cancel"
+    RESULT = "result"
+    QUIESCED = "quiesced"
+    LOCAL_PENDING = "local_pending"
+    LOCAL_DONE = "local_done"
+    RELEASE = "release"
+
+
+# (state, input) -> handler. Pairs absent here are illegal: local inputs raise LocalProtocolError,
+# peer inputs raise PeerProtocolError; either way the state is unchanged.
+RX_TRANSITIONS: dict[tuple[RxState, RxInput], str] = {
+    (RxState.PUBLISHING, RxInput.PUBLICATION_SENT): "_on_publication_sent",
+    (RxState.PUBLISHING, RxInput.CANCEL): "_on_cancel",
+    (RxState.PUBLISHING, RxInput.LOCAL_PENDING): "_on_local_pending",
+    (RxState.PUBLISHING, RxInput.LOCAL_DONE): "_on_local_done",
+    (RxState.ACTIVE, RxInput.CANCEL): "_on_cancel",
+    (RxState.ACTIVE, RxInput.RESULT): "_on_result",
+    (RxState.ACTIVE, RxInput.QUIESCED): "_on_quiesced",
+    (RxState.ACTIVE, RxInput.LOCAL_PENDING): "_on_local_pending",
+    (RxState.ACTIVE, RxInput.LOCAL_DONE): "_on_local_done",
+    (RxState.DELIVERED, RxInput.CANCEL): "_on_release",
+    (RxState.DELIVERED, RxInput.RESULT): "_on_result",
+    (RxState.DELIVERED, RxInput.QUIESCED): "_on_quiesced",
+    (RxState.DELIVERED, RxInput.LOCAL_PENDING): "_on_local_pending",
+    (RxState.DELIVERED, RxInput.LOCAL_DONE): "_on_local_done",
+    (RxState.DELIVERED, RxInput.RELEASE): "_on_release",
+    (RxState.DRAINING, RxInput.CANCEL): "_on_repeat_cancel",
+    (RxState.DRAINING, RxInput.RESULT): "_on_result",
+    (RxState.DRAINING, RxInput.QUIESCED): "_on_quiesced",
+    (RxState.DRAINING, RxInput.LOCAL_DONE): "_on_local_done",
+    (RxState.DRAINING, RxInput.RELEASE): "_on_repeat_release",
+}
+PEER_INPUTS = frozenset({RxInput.RESULT, RxInput.QUIESCED})
+
+
+@dataclass(slots=True)
+class _Writer:
+    """What one published writer has told us."""
+
+    rank: int
+    slice_index: int
+    results: dict[tuple[str, int], ResultStatus] = field(default_factory=dict)
+    in_doubt: set[tuple[str, int]] = field(default_factory=set)
+    stream_ended: bool = False  # a result with is_last arrived
+    acked: bool = False  # SESSION_QUIESCED arrived
+    failed: bool = False  # some piece FAILED or went IN_DOUBT
+    cancel_sent: bool = False
+
+    @property
+    def settled(self) -> bool:
+        return (self.stream_ended or self.acked) and not self.in_doubt
+
+
+@dataclass(slots=True)
+class ReceiveSession:
+    request_id: int
+    dst_blocks: tuple[int, ...]
+    num_slices: int
+    aux_slot: int
+    writers: dict[int, _Writer]  # the published set once publication resolves
+    clock: RetirementClock
+    state: RxState = RxState.PUBLISHING
+    outcome: Outcome | None = None
+    reason: str = ""
+    cohort: dict[int, int] = field(default_factory=dict)  # slice index -> the writer that claimed it
+    local_pending: set[int] = field(default_factory=set)
+    released: bool = False
+    disputed: str = ""  # why the evidence is invalid; non-empty means it can never retire
+
+    def has_claims(self) -> bool:
+        return bool(
+            self.disputed or self.local_pending or self.state is RxState.PUBLISHING
+            or any(not w.settled for w in self.writers.values())
+        )
+
+    def claims(self) -> list[str]:
+        """What still blocks retirement (empty means every published writer is proven quiescent)."""
+        out = [f"writer {w.rank}" for w in self.writers.values() if not w.settled]
+        out += [f"local completion {t}" for t in sorted(self.local_pending)]
+        if self.disputed:
+            out.append(f"disputed: {self.disputed}")
+        if self.state is RxState.PUBLISHING:
+            out.append("publication pending")
+        return out
+
+
+class ReceiverCore(RankCore[ReceiveSession]):
+    """One rank's receive side. Sans-IO: ``handle(event, now_ns) -> actions``."""
+
+    def __init__(self, config: CoreConfig) -> None:
+        super().__init__(config)
+        self.quarantined = ""  # non-empty: admission of new sessions is closed, and why
+
+    # ---- dispatch -----------------------------------------------------------------------------
+
+    def _is_admission(self, event: Event) -> bool:
+        return isinstance(event, OpenReceive)
+
+    def _dispatch(self, event: Event, now_ns: int, actions: list[Action]) -> None:
+        if isinstance(event, OpenReceive):
+            self._open(event, now_ns, actions)
+            return
+        if isinstance(event, MessageReceived):
+            message = event.envelope.message
+            if isinstance(message, (KvResult, AuxResult)):
+                if message.writer_rank != event.envelope.src_rank:
+                    raise PeerProtocolError(
+                        "result names another writer than its stream", field="writer_rank",
+                        got=message.writer_rank, src_rank=event.envelope.src_rank,
+                    )
+                self._route(message.request_id, RxInput.RESULT, (message, now_ns), actions, peer=True)
+            elif isinstance(message, SessionQuiesced):
+                if message.writer_rank != event.envelope.src_rank:
+                    raise PeerProtocolError("ack names another writer than its stream", field="writer_rank")
+                if message.request_id not in self.sessions:
+                    self._count("stale_acks")
+                    return
+                self._route(message.request_id, RxInput.QUIESCED, (message, now_ns), actions, peer=True)
+            else:
+                raise PeerProtocolError("message not expected by a receiver", field="kind", kind=message.KIND.name)
+            return
+        if isinstance(event, CancelRequested):
+            self._cancel(event, now_ns, actions)
+            return
+        table = {
+            PublicationSent: RxInput.PUBLICATION_SENT,
+            LocalCompletionPending: RxInput.LOCAL_PENDING,
+            LocalCompletionDone: RxInput.LOCAL_DONE,
+            ReleaseRequested: RxInput.RELEASE,
+        }
+        kind = table.get(type(event))
+        if kind is None:
+            raise LocalProtocolError("event not handled by a receiver", field="event", event=type(event).__name__)
+        self._route(event.request_id, kind, (event, now_ns), actions, peer=False)  # type: ignore[attr-defined]
+
+    def _route(self, request_id: int, kind: RxInput, args: tuple, actions: list[Action], *, peer: bool) -> None:
+        session = self.sessions.get(request_id)
+        if session is None:
+            error = PeerProtocolError if peer else LocalProtocolError
+            raise error("no live receive session for this request", field="request_id", request_id=request_id)
+        handler = RX_TRANSITIONS.get((session.state, kind))
+        if handler is None:
+            error = PeerProtocolError if kind in PEER_INPUTS else LocalProtocolError
+            raise error(
+                "illegal input for the session's state", field=kind.value, request_id=request_id,
+                state=session.state.value,
+            )
+        getattr(self, handler)(session, *args, actions)
+        self._settle(session, args[-1], actions)
+
+    # ---- admission and publication -----------------------------------------------------------
+
+    def _open(self, event: OpenReceive, now_ns: int, actions: list[Action]) -> None:
+        rid = event.request_id
+        self._validate_open(event)
+        if rid in self.sessions:
+            raise LocalProtocolError("request already has a live receive session", field="request_id", request_id=rid)
+        if not self._admissible(rid):
+            actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the world watermark"))
+            return
+        if self.fence.is_fenced(rid):  # born cancelled: nothing is ever published
+            actions += [Conclude(rid, Outcome.CANCELLED, "fenced before publication"), RetireBlocks(rid)]
+            self._count("born_cancelled")
+            return
+        if self.quarantined:
+            actions.append(AdmissionRefused(rid, f"quarantined: {self.quarantined}"))
+            return
+        writers = {w: _Writer(w, i % event.num_slices) for i, w in enumerate(event.writers)}
+        session = ReceiveSession(
+            rid, event.dst_blocks, event.num_slices, event.aux_slot, writers,
+            RetirementClock(self.config.timeout_ns, self.config.grace_ns),
+        )
+        session.clock.expose(now_ns)
+        self.sessions[rid] = session
+        self._schedule(rid, session)
+        for w in writers.values():
+            message = RequestData(rid, self.config.rank, event.dst_blocks, w.slice_index, event.num_slices, event.aux_slot)
+            actions.append(SendControl(w.rank, message))
+
+    @staticmethod
+    def _validate_open(event: OpenReceive) -> None:
+        if not is_valid_request_id(event.request_id):
+            raise LocalProtocolError("invalid request id", field="request_id", request_id=event.request_id)
+        if not event.writers or len(set(event.writers)) != len(event.writers):
+            raise LocalProtocolError("writers must be a non-empty list of distinct ranks", field="writers")
+        if event.num_slices < 1 or len(event.writers) % event.num_slices:
+            raise LocalProtocolError(
+                "the number of writers must be a multiple of num_slices", field="num_slices",
+                writers=len(event.writers), num_slices=event.num_slices,
+            )
+        if not event.dst_blocks:
+            raise LocalProtocolError("a destination needs at least one block", field="dst_blocks")
+
+    def _on_publication_sent(self, s: ReceiveSession, event: PublicationSent, now_ns: int, actions: list[Action]) -> None:
+        unknown = event.failed - s.writers.keys()
+        if unknown:
+            raise LocalProtocolError("failed writers were never published", field="failed", unknown=sorted(unknown))
+        for rank in event.failed:  # abort narrows the cohort to the writers actually published
+            del s.writers[rank]
+        s.state = RxState.ACTIVE
+        if s.outcome is None and event.failed:
+            self._commit(s, Outcome.FAILED, f"publication failed to {sorted(event.failed)}", now_ns, actions)
+        elif s.outcome is not None:  # cancelled while publishing: the cancels follow the REQUEST_DATA
+            s.state = RxState.DRAINING
+            self._send_cancels(s, actions)
+
+    # ---- cancellation and release --------------------------------------------------------------
+
+    def _cancel(self, event: CancelRequested, now_ns: int, actions: list[Action]) -> None:
+        rid = event.request_id
+        if not is_valid_request_id(rid):
+            raise LocalProtocolError("invalid request id", field="request_id", request_id=rid)
+        if not self._admissible(rid):
+            self._count("stale_cancels")
+            return
+        self.fence.install(rid, event.origin)
+        if rid in self.sessions:
+            self._route(rid, RxInput.CANCEL, (event, now_ns), actions, peer=False)
+
+    def _on_cancel(self, s: ReceiveSession, event: CancelRequested, now_ns: int, actions: list[Action]) -> None:
+        self._commit(s, Outcome.CANCELLED, f"cancelled ({event.origin.name.lower()})", now_ns, actions)
+
+    def _on_repeat_cancel(self, s: ReceiveSession, event: CancelRequested, now_ns: int, actions: list[Action]) -> None:
+        s.released = True  # cancelling again is idempotent; a completed session is thereby released
+
+    def _on_release(self, s: ReceiveSession, event: Event, now_ns: int, actions: list[Action]) -> None:
+        s.released = True
+        s.state = RxState.DRAINING
+
+    def _on_repeat_release(self, s: ReceiveSession, event: Event, now_ns: int, actions: list[Action]) -> None:
+        if s.outcome is not Outcome.COMPLETED:
+            raise LocalProtocolError("only a delivered session can be released; cancel it instead", field="request_id")
+        s.released = True
+
+    # ---- evidence ------------------------------------------------------------------------------
+
+    def _on_result(self, s: ReceiveSession, message: KvResult | AuxResult, now_ns: int, actions: list[Action]) -> None:
+        writer = s.writers.get(message.writer_rank)
+        if writer is None:
+            self._dispute(s, f"result from unpublished writer {message.writer_rank}", now_ns)
+            raise PeerProtocolError(
+                "result from a writer outside the published set", field="writer_rank",
+                writer_rank=message.writer_rank, request_id=s.request_id,
+            )
+        key = ("aux" if isinstance(message, AuxResult) else "kv", message.piece)
+        problem = self._result_problem(s, writer, key, message)
+        if problem:
+            self._dispute(s, f"writer {writer.rank}: {problem}", now_ns)
+            self._count("invalid_evidence")
+            return
+        status = message.status
+        if status is ResultStatus.FAILED_QUIESCED:
+            writer.in_doubt.discard(key)
+            writer.results[key] = status
+            return
+        writer.results[key] = status
+        s.cohort.setdefault(writer.slice_index, writer.rank)
+        if message.is_last:
+            writer.stream_ended = True
+        if status is ResultStatus.IN_DOUBT:
+            writer.in_doubt.add(key)
+            writer.failed = True
+            self.quarantined = self.quarantined or f"writer {writer.rank} in doubt for request {s.request_id}"
+            self._commit(s, Outcome.FAILED, f"writer {writer.rank} in doubt", now_ns, actions)
+        elif status is ResultStatus.FAILED:
+            writer.failed = True
+            self._commit(s, Outcome.FAILED, f"writer {writer.rank} failed piece {key}", now_ns, actions)
+        elif s.outcome is None and self._complete(s):
+            self._commit(s, Outcome.COMPLETED, "every slice delivered", now_ns, actions)
+
+    @staticmethod
+    def _result_problem(s: ReceiveSession, writer: _Writer, key: tuple[str, int], message: KvResult | AuxResult) -> str:
+        """Rule 1: why this result is invalid evidence, or '' if it may be counted."""
+        if message.status is ResultStatus.FAILED_QUIESCED:
+            return "" if key in writer.in_doubt else "FAILED_QUIESCED without an earlier IN_DOUBT"
+        if key in writer.results:
+            return f"second result for piece {key}"
+        if writer.stream_ended or writer.acked:
+            return f"result for piece {key} after its stream ended"
+        claimed_by = s.cohort.get(writer.slice_index)
+        if claimed_by is not None and claimed_by != writer.rank:
+            return f"slice {writer.slice_index} already delivered by writer {claimed_by}"
+        if len(s.cohort) == s.num_slices and writer.slice_index not in s.cohort:
+            return "the cohort is already complete"
+        return ""
+
+    @staticmethod
+    def _complete(s: ReceiveSession) -> bool:
+        """Every slice has a cohort writer whose stream ended with every piece SUCCESS (+ AUX if asked)."""
+        if len(s.cohort) < s.num_slices:
+            return False
+        for rank in s.cohort.values():
+            w = s.writers[rank]
+            if not w.stream_ended or w.failed:
+                return False
+        if s.aux_slot >= 0:
+            return s.writers[s.cohort[0]].results.get(("aux", 0)) is ResultStatus.SUCCESS
+        return True
+
+    def _on_quiesced(self, s: ReceiveSession, message: SessionQuiesced, now_ns: int, actions: list[Action]) -> None:
+        writer = s.writers.get(message.writer_rank)
+        if writer is None:
+            self.quarantined = self.quarantined or f"ack from unpublished writer {message.writer_rank}"
+            raise PeerProtocolError(
+                "SESSION_QUIESCED from a writer outside the published set", field="writer_rank",
+                writer_rank=message.writer_rank, request_id=s.request_id,
+            )
+        if s.outcome is None or not writer.cancel_sent:
+            self._count("unsolicited_acks")
+            return
+        writer.acked = True
+
+    def _on_local_pending(self, s: ReceiveSession, event: LocalCompletionPending, now_ns: int, actions: list[Action]) -> None:
+        s.local_pending.add(event.token)
+
+    def _on_local_done(self, s: ReceiveSession, event: LocalCompletionDone, now_ns: int, actions: list[Action]) -> None:
+        if event.token not in s.local_pending:
+            raise LocalProtocolError("unknown local completion token", field="token", token=event.token)
+        s.local_pending.discard(event.token)
+
+    # ---- outcome, drain, retirement ------------------------------------------------------------
+
+    def _commit(self, s: ReceiveSession, outcome: Outcome, reason: str, now_ns: int, actions: list[Action]) -> None:
+        """INV-R2: commit once; start the drain; ask every unsettled published writer to quiesce."""
+        if s.outcome is not None:
+            return
+        s.outcome, s.reason = outcome, reason
+        actions.append(Conclude(s.request_id, outcome, reason))
+        if outcome is Outcome.COMPLETED:
+            actions.append(Deliver(s.request_id))
+            s.state = RxState.DELIVERED
+        else:
+            self.fence.install(s.request_id, _ORIGIN[outcome])
+            if s.state is not RxState.PUBLISHING:
+                s.state = RxState.DRAINING
+        if s.has_claims():
+            s.clock.start_drain(now_ns, reason)
+        if s.state is not RxState.PUBLISHING:
+            self._send_cancels(s, actions)
+
+    def _send_cancels(self, s: ReceiveSession, actions: list[Action]) -> None:
+        for w in s.writers.values():
+            if not w.settled and not w.cancel_sent:
+                w.cancel_sent = True
+                actions.append(SendControl(w.rank, CancelSession(s.request_id, self.config.rank)))
+
+    def _dispute(self, s: ReceiveSession, why: str, now_ns: int) -> None:
+        s.disputed = s.disputed or why
+        s.clock.start_drain(now_ns, "invalid evidence")
+        self.quarantined = self.quarantined or f"invalid evidence on request {s.request_id}: {why}"
+        self._schedule(s.request_id, s)
+
+    def _settle(self, s: ReceiveSession, now_ns: int, actions: list[Action]) -> None:
+        """After any input: retire if the outcome allows it and no claim is left (INV-R1)."""
+        if s.request_id not in self.sessions or s.state in (RxState.PUBLISHING, RxState.ACTIVE):
+            return
+        if s.outcome is Outcome.COMPLETED and not s.released:
+            return
+        if s.has_claims():
+            s.clock.start_drain(now_ns, "released with claims open")
+            self._schedule(s.request_id, s)
+            return
+        s.state = RxState.RETIRED
+        del self.sessions[s.request_id]
+        actions.append(RetireBlocks(s.request_id))
+
+    # ---- time ----------------------------------------------------------------------------------
+
+    def _evaluate(self, request_id: int, s: ReceiveSession, now_ns: int, actions: list[Action]) -> None:
+        if s.outcome is None and s.clock.timed_out(now_ns):
+            self.fence.install(request_id, CancelOrigin.TIMEOUT)
+            self._commit(s, Outcome.TIMED_OUT, "transfer timeout", now_ns, actions)
+            self._settle(s, now_ns, actions)
+
+    def _session_deadlines(self, s: ReceiveSession) -> tuple[int | None, int | None]:
+        request = s.clock.request_deadline_ns if s.outcome is None else None
+        return request, self._fatal_deadline_ns(s)
+
+    def _fatal_deadline_ns(self, s: ReceiveSession) -> int | None:
+        return s.clock.fatal_deadline_ns if s.has_claims() else None
+
+    def _fatal_action(self, request_id: int, s: ReceiveSession) -> FailStop:
+        return FailStop(
+            FatalReason.DEADLINE, request_id,
+            f"receive claims unproven at the deadline (drain: {s.clock.drain_reason or 'transfer timeout'}): "
+            + ", ".join(s.claims()),
+        )
+
+    def _mark_fatal(self, s: ReceiveSession) -> None:
+        s.state = RxState.FATAL
+
+
+_ORIGIN = {
+    Outcome.CANCELLED: CancelOrigin.CLIENT,
+    Outcome.FAILED: CancelOrigin.FAILURE,
+    Outcome.TIMED_OUT: CancelOrigin.TIMEOUT,
+}

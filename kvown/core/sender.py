@@ -1,0 +1,480 @@
+"""Sender (context side): physical write operations, ordered result streams, quiescence acks.
+
+Owns: for every live send session, one stream per receiver that published to us, and per stream one
+operation per piece; for the rank, the fence, the publications waiting for a session, and the poison
+latch.
+
+Theory of operation:
+  A receiver's REQUEST_DATA attaches a stream to the session (or waits for the session to open).
+  Each piece of each stream becomes one operation. An operation is posted (``PostWrite``) only once
+  its source piece is ready (the producer's write-ready event completed) - never earlier. Results go
+  back on the stream strictly in piece order; the result that ends the stream carries ``is_last``.
+  CANCEL_SESSION fences the request id for good, refuses every operation not yet posted, waits for
+  the posted ones, and then - after every earlier result on that stream - sends SESSION_QUIESCED.
+
+Rules:
+  1. Operation states follow ``OP_TRANSITIONS``; anything else raises ``LocalProtocolError`` and
+     changes nothing.
+  2. Any backend outcome but DONE (an error status, an exception while posting or polling) makes the
+     operation IN_DOUBT: its handle stays rooted (the driver keeps it), the rank is *poisoned* (no
+     further operation is ever posted) and only a later DONE on the same handle settles it, reported
+     as FAILED_QUIESCED after the IN_DOUBT report.
+  3. SESSION_QUIESCED for a receiver is emitted only when none of that stream's operations is
+     ADMITTED, SUBMITTING, SUBMITTED or IN_DOUBT, and after every earlier result on the stream.
+  4. A cancel for a request with no session installs the fence and acknowledges at once; a later
+     session for a fenced id is born cancelled and posts nothing.
+  5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
+
+Invariants:
+  INV-S1: PostWrite(op) only after SourceReady for its piece and never after a fence, poison or fatal.
+  INV-S2: results on a stream are emitted in piece order; SESSION_QUIESCED is the last message of
+          its (request, receiver) stream.
+  INV-S3: an IN_DOUBT operation leaves IN_DOUBT only through WriteCompleted of the same op.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvown.core.actions import (
+    Action,
+    AdmissionRefused,
+    Conclude,
+    FailStop,
+    FatalReason,
+    Outcome,
+    PieceKind,
+    PostWrite,
+    ReleaseSource,
+    SendControl,
+)
+from kvown.core.deadline import RetirementClock
+from kvown.core.errors import LocalProtocolError, PeerProtocolError
+from kvown.core.events import (
+    CancelRequested,
+    Event,
+    MessageReceived,
+    OpenSend,
+    SourceReady,
+    WriteCompleted,
+    WriteFailed,
+    WriteNotSubmitted,
+    WriteSubmitFailed,
+    WriteSubmitted,
+)
+from kvown.core.fence import CancelOrigin
+from kvown.core.ids import is_valid_request_id
+from kvown.core.machine import CoreConfig, RankCore
+from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
+
+
+class OpState(enum.Enum):
+    ADMITTED = "admitted"  # created; waiting for its source piece to be ready
+    SUBMITTING = "submitting"  # PostWrite emitted; the driver is posting
+    SUBMITTED = "submitted"  # posted; the handle is polled
+    BACKEND_DONE = "backend_done"  # the handle reported DONE: the bytes landed, nothing in flight
+    NOT_SUBMITTED = "not_submitted"  # refused before posting: nothing can touch memory
+    IN_DOUBT = "in_doubt"  # ended without proof; handle rooted until DONE
+
+
+class OpInput(enum.Enum):
+    POST = "post"
+    REFUSE = "refuse"
+    SUBMITTED = "submitted"
+    NOT_SUBMITTED = "not_submitted"
+    SUBMIT_FAILED = "submit_failed"
+    DONE = "done"
+    FAILED = "failed"
+
+
+OP_TRANSITIONS: dict[tuple[OpState, OpInput], OpState] = {
+    (OpState.ADMITTED, OpInput.POST): OpState.SUBMITTING,
+    (OpState.ADMITTED, OpInput.REFUSE): OpState.NOT_SUBMITTED,
+    (OpState.SUBMITTING, OpInput.SUBMITTED): OpState.SUBMITTED,
+    (OpState.SUBMITTING, OpInput.NOT_SUBMITTED): OpState.NOT_SUBMITTED,
+    (OpState.SUBMITTING, OpInput.SUBMIT_FAILED): OpState.IN_DOUBT,
+    (OpState.SUBMITTED, OpInput.DONE): OpState.BACKEND_DONE,
+    (OpState.SUBMITTED, OpInput.FAILED): OpState.IN_DOUBT,
+    (OpState.IN_DOUBT, OpInput.DONE): OpState.BACKEND_DONE,  # late settlement, same handle
+    (OpState.IN_DOUBT, OpInput.FAILED): OpState.IN_DOUBT,  # repeated failure keeps the evidence
+    (OpState.BACKEND_DONE, OpInput.DONE): OpState.BACKEND_DONE,  # idempotent
+}
+LIVE = frozenset({OpState.ADMITTED, OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})
+IN_FLIGHT = frozenset({OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})  # may touch memory
+REPORTABLE = frozenset({OpState.BACKEND_DONE, OpState.NOT_SUBMITTED, OpState.IN_DOUBT})
+
+
+@dataclass(slots=True)
+class Operation:
+    op_id: int
+    request_id: int
+    receiver_rank: int
+    piece: int  # KV piece index, or the number of KV pieces for the AUX piece
+    kind: PieceKind
+    state: OpState = OpState.ADMITTED
+    was_in_doubt: bool = False
+    reported_in_doubt: bool = False
+
+    def apply(self, event: OpInput) -> None:
+        nxt = OP_TRANSITIONS.get((self.state, event))
+        if nxt is None:
+            raise LocalProtocolError(
+                "illegal operation transition", field=event.value, op_id=self.op_id, state=self.state.value
+            )
+        self.state = nxt
+        self.was_in_doubt |= nxt is OpState.IN_DOUBT
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One (request, receiver) stream: its publication and its operations in report order."""
+
+    request: RequestData
+    ops: list[Operation]
+    next_report: int = 0  # index of the next op whose result is due
+    quiesce_requested: bool = False
+    acked: bool = False
+
+    @property
+    def reported_all(self) -> bool:
+        return self.next_report == len(self.ops)
+
+    def quiescent(self) -> bool:
+        return self.reported_all and not any(op.state in LIVE for op in self.ops)
+
+
+@dataclass(slots=True)
+class SendSession:
+    request_id: int
+    src_blocks: tuple[int, ...]
+    num_pieces: int
+    num_receivers: int
+    clock: RetirementClock
+    ready: set[int] = field(default_factory=set)
+    streams: dict[int, _Stream] = field(default_factory=dict)
+    outcome: Outcome | None = None
+    reason: str = ""
+
+    def piece_blocks(self, piece: int) -> slice:
+        n = len(self.src_blocks)
+        return slice(piece * n // self.num_pieces, (piece + 1) * n // self.num_pieces)
+
+    def live_ops(self) -> list[Operation]:
+        return [op for st in self.streams.values() for op in st.ops if op.state in IN_FLIGHT]
+
+
+class SenderCore(RankCore[SendSession]):
+    """One rank's send side. Sans-IO: ``handle(event, now_ns) -> actions``."""
+
+    def __init__(self, config: CoreConfig, *, max_saved: int = 65536) -> None:
+        super().__init__(config)
+        self.poisoned = ""  # non-empty: an operation went in doubt; nothing is ever posted again
+        self.max_saved = max_saved
+        self._saved: dict[int, dict[int, RequestData]] = {}  # publications waiting for their session
+        self._ops: dict[int, tuple[SendSession, _Stream, Operation]] = {}
+        self._next_op = 0
+
+    def _is_admission(self, event: Event) -> bool:
+        return isinstance(event, OpenSend)
+
+    # ---- dispatch -----------------------------------------------------------------------------
+
+    def _dispatch(self, event: Event, now_ns: int, actions: list[Action]) -> None:
+        if isinstance(event, MessageReceived):
+            message, src = event.envelope.message, event.envelope.src_rank
+            if isinstance(message, RequestData):
+                self._on_request_data(message, src, now_ns, actions)
+            elif isinstance(message, CancelSession):
+                self._on_cancel_session(message, src, now_ns, actions)
+            else:
+                raise PeerProtocolError("message not expected by a sender", field="kind", kind=message.KIND.name)
+        elif isinstance(event, OpenSend):
+            self._open(event, now_ns, actions)
+        elif isinstance(event, SourceReady):
+            self._on_source_ready(event, now_ns, actions)
+        elif isinstance(event, CancelRequested):
+            self._on_local_cancel(event, now_ns, actions)
+        elif isinstance(event, (WriteSubmitted, WriteNotSubmitted, WriteSubmitFailed, WriteCompleted, WriteFailed)):
+            self._on_write_event(event, now_ns, actions)
+        else:
+            raise LocalProtocolError("event not handled by a sender", field="event", event=type(event).__name__)
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def _open(self, event: OpenSend, now_ns: int, actions: list[Action]) -> None:
+        rid = event.request_id
+        if not is_valid_request_id(rid):
+            raise LocalProtocolError("invalid request id", field="request_id", request_id=rid)
+        if rid in self.sessions:
+            raise LocalProtocolError("request already has a live send session", field="request_id", request_id=rid)
+        if not event.src_blocks or not (1 <= event.num_pieces <= len(event.src_blocks)):
+            raise LocalProtocolError("need 1 <= num_pieces <= len(src_blocks)", field="num_pieces")
+        if event.num_receivers < 1:
+            raise LocalProtocolError("need at least one receiver", field="num_receivers")
+        if not self._admissible(rid):
+            actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the world watermark"))
+            return
+        if self.fence.is_fenced(rid):  # born cancelled (rule 4)
+            self._saved.pop(rid, None)
+            actions += [Conclude(rid, Outcome.CANCELLED, "fenced before the session opened"), ReleaseSource(rid)]
+            self._count("born_cancelled")
+            return
+        session = SendSession(
+            rid, event.src_blocks, event.num_pieces, event.num_receivers,
+            RetirementClock(self.config.timeout_ns, self.config.grace_ns),
+        )
+        self.sessions[rid] = session
+        for src, request in self._saved.pop(rid, {}).items():
+            self._attach(session, request, src, now_ns, actions)
+
+    def _on_request_data(self, request: RequestData, src: int, now_ns: int, actions: list[Action]) -> None:
+        rid = request.request_id
+        if request.receiver_rank != src:
+            raise PeerProtocolError("REQUEST_DATA names another receiver than its stream", field="receiver_rank")
+        if not self._admissible(rid):
+            raise PeerProtocolError("REQUEST_DATA for a stale epoch", field="request_id", request_id=rid)
+        if request.slice_index >= request.num_slices:
+            raise PeerProtocolError("slice_index must be < num_slices", field="slice_index")
+        session = self.sessions.get(rid)
+        if session is not None:
+            if src in session.streams:
+                raise PeerProtocolError("second REQUEST_DATA on one stream", field="request_id", request_id=rid)
+            if len(request.dst_blocks) != len(session.src_blocks):
+                raise PeerProtocolError(
+                    "destination and source block counts differ", field="dst_blocks",
+                    got=len(request.dst_blocks), want=len(session.src_blocks),
+                )
+            self._attach(session, request, src, now_ns, actions)
+        elif self.fence.is_fenced(rid):  # fenced and no session: refuse the whole stream at once
+            actions.append(SendControl(src, KvResult(self.config.rank, rid, 0, True, ResultStatus.FAILED, 0)))
+        else:
+            if src in self._saved.get(rid, {}):
+                raise PeerProtocolError("second REQUEST_DATA on one stream", field="request_id", request_id=rid)
+            if rid not in self._saved and len(self._saved) >= self.max_saved:
+                raise PeerProtocolError("too many publications waiting for sessions", field="request_id")
+            self._saved.setdefault(rid, {})[src] = request
+
+    def _attach(self, s: SendSession, request: RequestData, src: int, now_ns: int, actions: list[Action]) -> None:
+        kinds = [(p, PieceKind.KV) for p in range(s.num_pieces)]
+        if request.aux_slot >= 0 and request.slice_index == 0:
+            kinds.append((s.num_pieces, PieceKind.AUX))
+        ops = []
+        for piece, kind in kinds:
+            op = Operation(self._next_op, s.request_id, src, piece, kind)
+            self._next_op += 1
+            ops.append(op)
+        stream = _Stream(request, ops)
+        s.streams[src] = stream
+        for op in ops:
+            self._ops[op.op_id] = (s, stream, op)
+        self._post_ready(s, stream, now_ns, actions)
+        self._after_progress(s, now_ns, actions)
+
+    # ---- posting -------------------------------------------------------------------------------
+
+    def _on_source_ready(self, event: SourceReady, now_ns: int, actions: list[Action]) -> None:
+        s = self.sessions.get(event.request_id)
+        if s is None:
+            if self.fence.is_fenced(event.request_id):
+                return  # the session was born cancelled or already finished after a cancel
+            raise LocalProtocolError("no live send session", field="request_id", request_id=event.request_id)
+        if not (0 <= event.piece < s.num_pieces):
+            raise LocalProtocolError("piece out of range", field="piece", piece=event.piece)
+        s.ready.add(event.piece)
+        for stream in s.streams.values():
+            self._post_ready(s, stream, now_ns, actions)
+
+    def _source_ready(self, s: SendSession, op: Operation) -> bool:
+        """INV-S1 guard: the KV this op reads has been written (AUX needs every KV piece)."""
+        if op.kind is PieceKind.AUX:
+            return len(s.ready) == s.num_pieces
+        return op.piece in s.ready
+
+    def _post_ready(self, s: SendSession, stream: _Stream, now_ns: int, actions: list[Action]) -> None:
+        if s.outcome is not None or self.poisoned:
+            self._refuse_admitted(s, stream, actions)
+            return
+        for op in stream.ops:
+            if op.state is OpState.ADMITTED and self._source_ready(s, op):
+                op.apply(OpInput.POST)
+                s.clock.expose(now_ns)
+                actions.append(self._post_action(s, stream.request, op))
+        self._schedule(s.request_id, s)
+
+    def _post_action(self, s: SendSession, request: RequestData, op: Operation) -> PostWrite:
+        if op.kind is PieceKind.AUX:
+            return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, (), (),
+                             request.slice_index, request.num_slices, request.aux_slot)
+        span = s.piece_blocks(op.piece)
+        return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, s.src_blocks[span],
+                         request.dst_blocks[span], request.slice_index, request.num_slices, -1)
+
+    def _refuse_admitted(self, s: SendSession, stream: _Stream, actions: list[Action]) -> None:
+        for op in stream.ops:
+            if op.state is OpState.ADMITTED:
+                op.apply(OpInput.REFUSE)
+        self._flush(s, stream, actions)
+
+    # ---- backend outcomes ----------------------------------------------------------------------
+
+    def _on_write_event(self, event: Event, now_ns: int, actions: list[Action]) -> None:
+        entry = self._ops.get(event.op_id)  # type: ignore[attr-defined]
+        if entry is None:
+            raise LocalProtocolError("unknown operation", field="op_id", op_id=event.op_id)  # type: ignore[attr-defined]
+        s, stream, op = entry
+        op.apply(_WRITE_INPUT[type(event)])
+        if op.state is OpState.IN_DOUBT:
+            self.poisoned = self.poisoned or f"op {op.op_id} of request {s.request_id} in doubt: {event.reason}"  # type: ignore[attr-defined]
+            s.clock.start_drain(now_ns, "backend quiescence unproven")
+            self._conclude(s, Outcome.FAILED, "write in doubt", now_ns, actions)
+            for other in list(self.sessions.values()):  # rule 2: poison refuses everything not yet posted
+                if other is not s and any(op.state is OpState.ADMITTED for st in other.streams.values() for op in st.ops):
+                    self._conclude(other, Outcome.FAILED, "sender poisoned", now_ns, actions)
+                    self._after_progress(other, now_ns, actions)
+        elif op.state is OpState.NOT_SUBMITTED:
+            self._conclude(s, Outcome.FAILED, f"write not submitted: {event.reason}", now_ns, actions)  # type: ignore[attr-defined]
+        self._flush(s, stream, actions)
+        self._after_progress(s, now_ns, actions)
+
+    # ---- cancellation --------------------------------------------------------------------------
+
+    def _on_cancel_session(self, cancel: CancelSession, src: int, now_ns: int, actions: list[Action]) -> None:
+        rid = cancel.request_id
+        if cancel.receiver_rank != src:
+            raise PeerProtocolError("CANCEL_SESSION routes to another rank than its stream", field="receiver_rank")
+        if not self._admissible(rid):  # its fence was compacted; nothing can exist for it
+            actions.append(SendControl(src, SessionQuiesced(self.config.rank, rid)))
+            return
+        self.fence.install(rid, CancelOrigin.PEER)
+        s = self.sessions.get(rid)
+        stream = s.streams.get(src) if s is not None else None
+        if s is None or stream is None:  # rule 4: nothing was or will be posted to src: ack now
+            saved = self._saved.get(rid)
+            if saved is not None:
+                saved.pop(src, None)
+                if not saved:
+                    del self._saved[rid]
+            actions.append(SendControl(src, SessionQuiesced(self.config.rank, rid)))
+            if s is not None:
+                self._conclude(s, Outcome.CANCELLED, "cancelled by a receiver", now_ns, actions)
+                self._after_progress(s, now_ns, actions)
+            return
+        stream.quiesce_requested = True
+        self._conclude(s, Outcome.CANCELLED, "cancelled by a receiver", now_ns, actions)
+        self._after_progress(s, now_ns, actions)
+
+    def _on_local_cancel(self, event: CancelRequested, now_ns: int, actions: list[Action]) -> None:
+        rid = event.request_id
+        if not is_valid_request_id(rid):
+            raise LocalProtocolError("invalid request id", field="request_id", request_id=rid)
+        if not self._admissible(rid):
+            self._count("stale_cancels")
+            return
+        self.fence.install(rid, event.origin)
+        s = self.sessions.get(rid)
+        if s is not None:
+            self._conclude(s, Outcome.CANCELLED, f"cancelled ({event.origin.name.lower()})", now_ns, actions)
+            self._after_progress(s, now_ns, actions)
+
+    # ---- results, acks, outcome ----------------------------------------------------------------
+
+    def _flush(self, s: SendSession, stream: _Stream, actions: list[Action]) -> None:
+        """Emit due results in piece order (INV-S2), late settlements, then the ack if asked."""
+        me, rid, ops = self.config.rank, s.request_id, stream.ops
+        for op in ops[: stream.next_report]:  # late settlement of an already reported IN_DOUBT
+            if op.reported_in_doubt and op.state is OpState.BACKEND_DONE:
+                op.reported_in_doubt = False
+                actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, False, ResultStatus.FAILED_QUIESCED)))
+        while stream.next_report < len(ops) and ops[stream.next_report].state in REPORTABLE:
+            op = ops[stream.next_report]
+            stream.next_report += 1
+            last = stream.reported_all
+            if op.was_in_doubt:
+                actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, last, ResultStatus.IN_DOUBT)))
+                op.reported_in_doubt = op.state is OpState.IN_DOUBT
+                if op.state is OpState.BACKEND_DONE:
+                    actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, False, ResultStatus.FAILED_QUIESCED)))
+            else:
+                status = ResultStatus.SUCCESS if op.state is OpState.BACKEND_DONE else ResultStatus.FAILED
+                actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, last, status)))
+        if stream.quiesce_requested and not stream.acked and stream.quiescent():  # rule 3
+            stream.acked = True
+            actions.append(SendControl(stream.request.receiver_rank, SessionQuiesced(me, rid)))
+
+    def _conclude(self, s: SendSession, outcome: Outcome, reason: str, now_ns: int, actions: list[Action]) -> None:
+        if s.outcome is not None:
+            return
+        s.outcome, s.reason = outcome, reason
+        actions.append(Conclude(s.request_id, outcome, reason))
+        if outcome is not Outcome.COMPLETED:
+            self.fence.install(s.request_id, _ORIGIN[outcome])
+            s.clock.start_drain(now_ns, reason)
+            for stream in s.streams.values():
+                self._refuse_admitted(s, stream, actions)
+
+    def _after_progress(self, s: SendSession, now_ns: int, actions: list[Action]) -> None:
+        """Complete the session when every stream delivered; release the source when nothing reads it."""
+        if s.outcome is None and len(s.streams) == s.num_receivers and all(
+            st.reported_all and all(op.state is OpState.BACKEND_DONE and not op.was_in_doubt for op in st.ops)
+            for st in s.streams.values()
+        ):
+            self._conclude(s, Outcome.COMPLETED, "every stream delivered", now_ns, actions)
+        for stream in s.streams.values():
+            self._flush(s, stream, actions)
+        if s.outcome is not None and not s.live_ops() and all(
+            st.quiescent() and (st.acked or not st.quiesce_requested) for st in s.streams.values()
+        ):
+            del self.sessions[s.request_id]
+            for stream in s.streams.values():
+                for op in stream.ops:
+                    self._ops.pop(op.op_id, None)
+            actions.append(ReleaseSource(s.request_id))
+        else:
+            self._schedule(s.request_id, s)
+
+    # ---- time ----------------------------------------------------------------------------------
+
+    def _evaluate(self, request_id: int, s: SendSession, now_ns: int, actions: list[Action]) -> None:
+        if s.outcome is None and s.clock.timed_out(now_ns):
+            self.fence.install(request_id, CancelOrigin.TIMEOUT)
+            self._conclude(s, Outcome.TIMED_OUT, "transfer timeout", now_ns, actions)
+            self._after_progress(s, now_ns, actions)
+
+    def _session_deadlines(self, s: SendSession) -> tuple[int | None, int | None]:
+        return (s.clock.request_deadline_ns if s.outcome is None else None), self._fatal_deadline_ns(s)
+
+    def _fatal_deadline_ns(self, s: SendSession) -> int | None:
+        return s.clock.fatal_deadline_ns if s.live_ops() else None
+
+    def _fatal_action(self, request_id: int, s: SendSession) -> FailStop:
+        ops = ", ".join(f"op {op.op_id} {op.state.value} -> rank {op.receiver_rank}" for op in s.live_ops())
+        return FailStop(FatalReason.DEADLINE, request_id, f"send operations unproven at the deadline: {ops}")
+
+    def _mark_fatal(self, s: SendSession) -> None:
+        s.reason = "fatal"
+
+    def may_write(self, request_id: int, receiver_rank: int) -> bool:
+        """True if some operation of this stream is posted or could still be posted (for checkers)."""
+        s = self.sessions.get(request_id)
+        stream = s.streams.get(receiver_rank) if s is not None else None
+        if stream is None:
+            saved = self._saved.get(request_id, {})
+            return receiver_rank in saved and not self.fence.is_fenced(request_id) and not self.poisoned
+        return any(op.state in LIVE for op in stream.ops)
+
+
+def _result(writer: int, rid: int, op: Operation, last: bool, status: ResultStatus) -> KvResult | AuxResult:
+    cls = AuxResult if op.kind is PieceKind.AUX else KvResult
+    nbytes = 0  # the driver knows the byte counts; the protocol does not depend on them
+    return cls(writer, rid, 0 if op.kind is PieceKind.AUX else op.piece, last, status, nbytes)
+
+
+_WRITE_INPUT = {
+    WriteSubmitted: OpInput.SUBMITTED,
+    WriteNotSubmitted: OpInput.NOT_SUBMITTED,
+    WriteSubmitFailed: OpInput.SUBMIT_FAILED,
+    WriteCompleted: OpInput.DONE,
+    WriteFailed: OpInput.FAILED,
+}
+_ORIGIN = {Outcome.CANCELLED: CancelOrigin.CLIENT, Outcome.FAILED: CancelOrigin.FAILURE, Outcome.TIMED_OUT: CancelOrigin.TIMEOUT}
