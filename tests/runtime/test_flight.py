@@ -1,0 +1,118 @@
+"""Flight recorder: bounded ring, dump format, default location, and ``kvown inspect``."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from kvown.core.actions import FatalReason
+from kvown.runtime.flight import FLIGHT_DIR_ENV, FlightRecorder, inspect_main, read_flight_file
+
+
+@pytest.mark.timeout(10)
+def test_ring_is_bounded_and_counts_dropped_events() -> None:
+    rec = FlightRecorder(rank=0, capacity=3)
+    for i in range(5):
+        rec.record("publish", i, dst_rank=1)
+    events = rec.events()
+    assert [e[2] for e in events] == [2, 3, 4]
+    assert rec.dropped == 2
+    assert events[0][1] == "publish" and events[0][3] == {"dst_rank": 1}
+
+
+@pytest.mark.timeout(10)
+def test_record_uses_injected_ns_clock() -> None:
+    ticks = iter([100, 250])
+    rec = FlightRecorder(rank=0, clock_ns=lambda: next(ticks))
+    rec.record("a", None)
+    rec.record("b", 1)
+    assert [e[0] for e in rec.events()] == [100, 250]
+
+
+@pytest.mark.timeout(20)
+def test_concurrent_records_keep_the_bound() -> None:
+    rec = FlightRecorder(rank=0, capacity=1000)
+
+    def writer(base: int) -> None:
+        for i in range(2000):
+            rec.record("ev", base + i)
+
+    threads = [threading.Thread(target=writer, args=(k * 10_000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert len(rec.events()) == 1000
+    assert rec.dropped == 7000
+
+
+@pytest.mark.timeout(10)
+def test_dump_to_dir_names_rank_pid_reason_request_and_stacks(tmp_path) -> None:
+    rec = FlightRecorder(rank=3)
+    rec.record("publish", 42, dst_rank=1, deadline_ns=123)
+    rec.record("odd", 42, obj=object())  # not JSON: written with repr, never raises
+    path = rec.dump(tmp_path, FatalReason.DEADLINE, request_id=42, detail="claim unproven")
+    assert path.name == f"kvown-flight-rank3-pid{os.getpid()}.jsonl"
+    records = read_flight_file(path)
+    header = records[0]
+    assert header["type"] == "header"
+    assert (header["rank"], header["pid"], header["reason"], header["request_id"]) == (
+        3,
+        os.getpid(),
+        "deadline",
+        42,
+    )
+    events = [r for r in records if r["type"] == "event"]
+    assert events[0]["detail"] == {"dst_rank": 1, "deadline_ns": 123}
+    assert events[1]["detail"]["obj"].startswith("<object object")
+    stacks = [r for r in records if r["type"] == "stack"]
+    names = {s["thread_name"] for s in stacks}
+    assert threading.current_thread().name in names
+    assert any("test_dump_to_dir" in f for s in stacks for f in s["frames"])
+
+
+@pytest.mark.timeout(10)
+def test_dump_without_stacks_to_explicit_file(tmp_path) -> None:
+    rec = FlightRecorder(rank=0)
+    target = tmp_path / "x.jsonl"
+    assert rec.dump(target, "terminated", include_stacks=False) == target
+    types = [r["type"] for r in read_flight_file(target)]
+    assert types == ["header"]
+
+
+@pytest.mark.timeout(10)
+def test_default_dump_dir_comes_from_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(FLIGHT_DIR_ENV, str(tmp_path))
+    path = FlightRecorder(rank=1).dump(None, FatalReason.HANG)
+    assert path.parent == tmp_path and path.exists()
+
+
+@pytest.mark.timeout(10)
+def test_inspect_prints_readably(tmp_path, capsys) -> None:
+    rec = FlightRecorder(rank=2)
+    rec.record("publish", 9, dst_rank=0)
+    path = rec.dump(tmp_path, FatalReason.DEADLINE, request_id=9, detail="never settled")
+    assert inspect_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 2" in out and "reason: deadline" in out and "request: 9" in out
+    assert "publish" in out and "dst_rank=0" in out and "never settled" in out
+    assert "thread MainThread" in out
+
+
+@pytest.mark.timeout(10)
+def test_inspect_tolerates_a_dump_cut_short_and_rejects_junk(tmp_path, capsys) -> None:
+    rec = FlightRecorder(rank=0)
+    rec.record("publish", 1)
+    path = rec.dump(tmp_path, FatalReason.INVARIANT, include_stacks=False)
+    with open(path, "a") as f:
+        f.write('{"type": "event", "t_n')  # the kill landed mid-line
+    assert inspect_main([str(path)]) == 0
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text(json.dumps({"type": "event"}) + "\n")
+    assert inspect_main([str(junk)]) == 2
+    assert inspect_main([str(tmp_path / "missing.jsonl")]) == 2
+    assert inspect_main([]) == 2
+    assert "not a readable flight recorder dump" in capsys.readouterr().err
