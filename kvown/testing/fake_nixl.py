@@ -1,0 +1,407 @@
+"""In-process fake of the NIXL library, behind the real adapter, with fault injection.
+
+Owns: ``FakeFabric`` (the shared "network" that connects fake agents by name, holds injected faults
+and late "ghost" writes) and ``FakeNixlEndpoint`` (a ``NixlEndpoint`` whose library is a fake agent).
+
+The fake replaces the *library*, not the adapter: ``FakeNixlEndpoint`` runs the same ``NixlEndpoint``
+code (validation, coalescing, status translation, rooting, release rules) against ``_FakeAgent``, which
+imitates the subset of ``nixl_agent`` the adapter calls: status strings "DONE"/"PROC"/"ERR",
+exceptions from any call, metadata snapshots, registrations checked per descriptor. The contract
+tests in ``tests/adapters/test_nixl_contract.py`` run one suite against both so the fake cannot drift.
+
+Rules:
+  1. Addresses are real host addresses: a landing WRITE copies bytes with ``ctypes.memmove``. Only
+     DRAM is supported; registering VRAM fails like NIXL does on a host without CUDA-aware UCX.
+  2. Peer metadata is a snapshot, as in NIXL: memory a peer registers after ``metadata()`` is unknown
+     to us until its metadata is loaded again.
+  3. Completion is driven by the initiator's polls (``delay_polls``); late landings and delayed
+     notifications are driven by *ticks*: every call on any fake agent of a fabric is one tick.
+  4. A WRITE's notification is delivered only when the WRITE reports DONE (after its bytes landed).
+  5. Fault knobs (``WriteFault``, ``NotifFault``) are consumed in FIFO order by the first matching
+     post / notification; each applies ``count`` times.
+
+Invariants:
+  INV-FAKE-1  A write reported DONE has landed all its bytes and will never land again.
+  INV-FAKE-2  A write whose fault says ``land_after_ticks=k`` lands exactly once, k ticks after its
+              failure was first reported, even if its handle was released in between ("in doubt").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvown.adapters.nixl import NixlEndpoint
+from kvown.core.errors import AdapterError, ConfigError
+
+_MD_MAGIC = b"KVOWN-FAKE-NIXL/1\n"
+
+
+class FaultPoint(enum.Enum):
+    """Where an injected WRITE fault strikes."""
+
+    NONE = "none"  # the post succeeds; ``outcome`` decides the polls
+    PREP = "prep"  # initialize_xfer / make_prepped_xfer raise: nothing posted
+    POST_RAISES = "post_raises"  # transfer() raises after handing the WRITE to the "wire": in doubt
+    POST_ERR = "post_err"  # transfer() returns "ERR"; every poll says "ERR"
+
+
+class FakeOutcome(enum.Enum):
+    """What check_xfer_state says once ``delay_polls`` polls have returned "PROC"."""
+
+    DONE = "done"
+    ERR = "err"
+    RAISE = "raise"  # check_xfer_state raises (each time)
+
+
+@dataclass
+class WriteFault:
+    """One injected WRITE behaviour. ``src``/``dst`` filter by agent name (None matches any).
+
+    ``land_after_ticks``: for failing outcomes, when the bytes land anyway: None never, 0 at once when
+    the failure is first reported, k > 0 that many fabric ticks later (even after release). An outcome
+    of DONE always lands by the DONE poll.
+    """
+
+    src: str | None = None
+    dst: str | None = None
+    count: int = 1
+    at: FaultPoint = FaultPoint.NONE
+    delay_polls: int = 1
+    outcome: FakeOutcome = FakeOutcome.DONE
+    land_after_ticks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.delay_polls < 0:
+            raise ConfigError("WriteFault needs count >= 1 and delay_polls >= 0", field="count")
+        if self.land_after_ticks is not None and self.land_after_ticks < 0:
+            raise ConfigError("land_after_ticks must be None or >= 0", field="land_after_ticks")
+
+
+@dataclass
+class NotifFault:
+    """One injected notification behaviour: drop it, or hide it from ``delay_drains`` drains."""
+
+    src: str | None = None
+    dst: str | None = None
+    count: int = 1
+    drop: bool = False
+    delay_drains: int = 0
+
+
+class _Xfer:
+    __slots__ = ("src", "dst", "pieces", "notif", "fault", "polls", "landed", "finished", "failed_seen")
+
+    def __init__(self, src: str, dst: str, pieces: list[tuple[int, int, int]], notif: bytes,
+                 fault: WriteFault) -> None:
+        self.src, self.dst, self.pieces, self.notif, self.fault = src, dst, pieces, notif, fault
+        self.polls = 0
+        self.landed = False
+        self.finished = False  # reported DONE
+        self.failed_seen = False  # a failure was reported and its late landing scheduled
+
+
+class _Dlist:
+    __slots__ = ("rows", "agent")
+
+    def __init__(self, rows: list[tuple[int, int]], agent: str | None) -> None:
+        self.rows, self.agent = rows, agent
+
+
+class FakeFabric:
+    """The in-process "network" shared by fake endpoints. Not thread-safe (like the endpoints).
+
+    Called: created once per test / simulated world; knobs set by the test between steps.
+    """
+
+    def __init__(self, default_delay_polls: int = 1) -> None:
+        self.default_delay_polls = default_delay_polls
+        self.write_faults: list[WriteFault] = []
+        self.notif_faults: list[NotifFault] = []
+        self.ticks = 0
+        self._agents: dict[str, _FakeAgent] = {}
+        self._ghosts: list[list[Any]] = []  # [ticks_left, _Xfer]: failed writes still to land
+
+    def inject_write(self, fault: WriteFault) -> None:
+        self.write_faults.append(fault)
+
+    def inject_notif(self, fault: NotifFault) -> None:
+        self.notif_faults.append(fault)
+
+    @property
+    def pending_ghosts(self) -> int:
+        """Failed WRITEs whose bytes have not landed yet but will."""
+        return len(self._ghosts)
+
+    def land_all(self) -> int:
+        """Land every pending ghost write now; returns how many landed."""
+        ghosts, self._ghosts = self._ghosts, []
+        for _, x in ghosts:
+            _land(x)
+        return len(ghosts)
+
+    # -- internal
+    def _tick(self) -> None:
+        self.ticks += 1
+        still = []
+        for ghost in self._ghosts:
+            ghost[0] -= 1
+            if ghost[0] <= 0:
+                _land(ghost[1])
+            else:
+                still.append(ghost)
+        self._ghosts = still
+
+    def _schedule(self, x: _Xfer, ticks: int | None) -> None:
+        if ticks is None or x.landed:
+            return
+        if ticks == 0:
+            _land(x)
+        else:
+            self._ghosts.append([ticks, x])
+
+    def _take_write_fault(self, src: str, dst: str) -> WriteFault:
+        for f in self.write_faults:
+            if f.src in (None, src) and f.dst in (None, dst):
+                f.count -= 1
+                if f.count == 0:
+                    self.write_faults.remove(f)
+                return f
+        return WriteFault(delay_polls=self.default_delay_polls)
+
+    def _deliver(self, src: str, dst: str, payload: bytes) -> None:
+        target = self._agents.get(dst)
+        if target is None:
+            return  # the peer is gone: lost on the wire
+        delay = 0
+        for f in self.notif_faults:
+            if f.src in (None, src) and f.dst in (None, dst):
+                f.count -= 1
+                if f.count == 0:
+                    self.notif_faults.remove(f)
+                if f.drop:
+                    return
+                delay = f.delay_drains
+                break
+        target.inbox.append([delay, src, bytes(payload)])
+
+
+def _land(x: _Xfer) -> None:
+    if x.landed:
+        return
+    x.landed = True
+    for laddr, raddr, nbytes in x.pieces:
+        ctypes.memmove(raddr, laddr, nbytes)
+
+
+def _covered(rows: list[tuple[int, int]], regions: list[tuple[int, int]]) -> bool:
+    return all(any(a <= addr and addr + n <= a + rn for a, rn in regions) for addr, n in rows)
+
+
+class _FakeAgent:
+    """Imitates the ``nixl_agent`` calls the adapter makes. Raises ``RuntimeError`` where NIXL raises."""
+
+    def __init__(self, name: str, fabric: FakeFabric) -> None:
+        self.name = name
+        self.fabric = fabric
+        self.regions: dict[int, tuple[int, int, str]] = {}  # token -> (addr, nbytes, mem)
+        self.peer_regions: dict[str, list[tuple[int, int]]] = {}
+        self.inbox: list[list[Any]] = []
+        self._tokens = 0
+
+    def _local_regions(self) -> list[tuple[int, int]]:
+        return [(a, n) for a, n, _ in self.regions.values()]
+
+    # -- memory and metadata
+    def register_memory(self, reg_list: list[tuple[int, int, int, str]], mem: str) -> int:
+        self.fabric._tick()
+        if mem != "DRAM":
+            raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
+        (addr, nbytes, _dev, _meta), = reg_list
+        self._tokens += 1
+        self.regions[self._tokens] = (addr, nbytes, mem)
+        return self._tokens
+
+    def deregister_memory(self, token: int) -> None:
+        self.fabric._tick()
+        del self.regions[token]
+
+    def get_agent_metadata(self) -> bytes:
+        self.fabric._tick()
+        body = {"name": self.name, "regions": self._local_regions()}
+        return _MD_MAGIC + json.dumps(body).encode()
+
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        self.fabric._tick()
+        if not bytes(metadata).startswith(_MD_MAGIC):
+            raise RuntimeError("NIXL_ERR_MISMATCH: failed to deserialize remote metadata")
+        try:
+            body = json.loads(bytes(metadata)[len(_MD_MAGIC):])
+            name = str(body["name"])
+            regions = [(int(a), int(n)) for a, n in body["regions"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError("NIXL_ERR_MISMATCH: failed to deserialize remote metadata") from e
+        if name == self.name:
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: remote agent name same as local agent")
+        self.peer_regions[name] = regions
+        return name.encode()
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.fabric._tick()
+        self.peer_regions.pop(name, None)
+
+    # -- descriptors and transfers
+    def get_xfer_descs(self, descs: np.ndarray, mem: str) -> _Dlist:
+        if mem != "DRAM":
+            raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
+        return _Dlist([(int(a), int(n)) for a, n, _ in descs], None)
+
+    def _check_sides(self, lrows: list[tuple[int, int]], rrows: list[tuple[int, int]], peer: str) -> None:
+        if peer not in self.peer_regions:
+            raise RuntimeError(f"NIXL_ERR_NOT_FOUND: metadata for remote agent {peer!r} not found")
+        if not _covered(lrows, self._local_regions()) or not _covered(rrows, self.peer_regions[peer]):
+            raise RuntimeError("NIXL_ERR_NOT_FOUND: no backend had the required registrations")
+        if [n for _, n in lrows] != [n for _, n in rrows]:
+            raise RuntimeError("NIXL_ERR_INVALID_PARAM: descriptor lengths differ")
+
+    def _new_xfer(self, lrows: list[tuple[int, int]], rrows: list[tuple[int, int]], peer: str,
+                  notif: bytes) -> _Xfer:
+        fault = self.fabric._take_write_fault(self.name, peer)
+        if fault.at is FaultPoint.PREP:
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure preparing the transfer")
+        pieces = [(la, ra, n) for (la, n), (ra, _) in zip(lrows, rrows)]
+        return _Xfer(self.name, peer, pieces, bytes(notif), fault)
+
+    def initialize_xfer(self, op: str, ldl: _Dlist, rdl: _Dlist, peer: str, notif: bytes = b"") -> _Xfer:
+        self.fabric._tick()
+        assert op == "WRITE"
+        self._check_sides(ldl.rows, rdl.rows, peer)
+        return self._new_xfer(ldl.rows, rdl.rows, peer, notif)
+
+    def prep_xfer_dlist(self, agent: str, descs: np.ndarray, mem: str) -> _Dlist:
+        self.fabric._tick()
+        if mem != "DRAM":
+            raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
+        rows = [(int(a), int(n)) for a, n, _ in descs]
+        local = agent == "NIXL_INIT_AGENT"
+        if not local and agent not in self.peer_regions:
+            raise RuntimeError(f"NIXL_ERR_NOT_FOUND: metadata for remote agent {agent!r} not found")
+        regions = self._local_regions() if local else self.peer_regions[agent]
+        if not _covered(rows, regions):
+            raise RuntimeError("NIXL_ERR_NOT_FOUND: failed to prepare the descriptors")
+        return _Dlist(rows, None if local else agent)
+
+    def release_dlist_handle(self, dl: _Dlist) -> None:
+        self.fabric._tick()
+
+    def make_prepped_xfer(self, op: str, lp: _Dlist, li: np.ndarray, rp: _Dlist, ri: np.ndarray,
+                          notif: bytes = b"") -> _Xfer:
+        self.fabric._tick()
+        assert op == "WRITE" and rp.agent is not None
+        lrows = [lp.rows[int(i)] for i in li]
+        rrows = [rp.rows[int(i)] for i in ri]
+        self._check_sides(lrows, rrows, rp.agent)
+        return self._new_xfer(lrows, rrows, rp.agent, notif)
+
+    def transfer(self, x: _Xfer) -> str:
+        self.fabric._tick()
+        f = x.fault
+        if x.dst not in self.fabric._agents:
+            x.fault = WriteFault(at=FaultPoint.POST_ERR)
+            return "ERR"
+        if f.at is FaultPoint.POST_RAISES:
+            self.fabric._schedule(x, f.land_after_ticks)
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure inside postXferReq")
+        if f.at is FaultPoint.POST_ERR:
+            x.failed_seen = True
+            self.fabric._schedule(x, f.land_after_ticks)
+            return "ERR"
+        if f.delay_polls == 0 and f.outcome is FakeOutcome.DONE:
+            self._finish(x)
+            return "DONE"
+        return "PROC"
+
+    def check_xfer_state(self, x: _Xfer) -> str:
+        self.fabric._tick()
+        if x.finished:
+            return "DONE"
+        f = x.fault
+        if f.at is FaultPoint.POST_ERR:
+            return "ERR"
+        x.polls += 1
+        if x.polls <= f.delay_polls:
+            return "PROC"
+        if f.outcome is FakeOutcome.DONE:
+            self._finish(x)
+            return "DONE"
+        if not x.failed_seen:
+            x.failed_seen = True
+            self.fabric._schedule(x, f.land_after_ticks)
+        if f.outcome is FakeOutcome.RAISE:
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure in getXferStatus")
+        return "ERR"
+
+    def _finish(self, x: _Xfer) -> None:
+        _land(x)  # INV-FAKE-1: DONE means every byte is in place
+        self.fabric._ghosts = [g for g in self.fabric._ghosts if g[1] is not x]
+        x.finished = True
+        if x.notif:
+            self.fabric._deliver(x.src, x.dst, x.notif)
+
+    def release_xfer_handle(self, x: _Xfer) -> None:
+        self.fabric._tick()
+        if not x.finished and not x.failed_seen and x.fault.at is FaultPoint.NONE:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: transfer still in progress")
+        # A released failed write may still land later: its ghost stays scheduled (INV-FAKE-2).
+
+    # -- notifications
+    def send_notif(self, peer: str, payload: bytes) -> None:
+        self.fabric._tick()
+        if peer not in self.peer_regions:
+            raise RuntimeError("NIXL_ERR_NOT_FOUND: no backend could send the notification")
+        self.fabric._deliver(self.name, peer, payload)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.fabric._tick()
+        out: dict[str, list[bytes]] = {}
+        keep = []
+        for item in self.inbox:
+            if item[0] > 0:
+                item[0] -= 1
+                keep.append(item)
+            else:
+                out.setdefault(item[1], []).append(item[2])
+        self.inbox = keep
+        return out
+
+
+class FakeNixlEndpoint(NixlEndpoint):
+    """``NixlEndpoint`` over a ``FakeFabric``; same public API plus the ``fabric`` it lives on.
+
+    Called: in tests and the simulator, one thread per fabric.
+    """
+
+    def __init__(self, name: str, *, fabric: FakeFabric, progress_thread: bool = False) -> None:
+        self.fabric = fabric
+        super().__init__(name, progress_thread=progress_thread)
+
+    def _make_agent(self, name: str, progress_thread: bool) -> Any:
+        if name in self.fabric._agents:
+            raise AdapterError("agent name already on this fake fabric", op="create_agent", name=name)
+        agent = _FakeAgent(name, self.fabric)
+        self.fabric._agents[name] = agent
+        return agent
+
+    def close(self) -> None:
+        was_open = not self._closed
+        super().close()
+        if was_open:
+            self.fabric._agents.pop(self.name, None)
+
+
+__all__ = ["FakeFabric", "FakeNixlEndpoint", "FakeOutcome", "FaultPoint", "NotifFault", "WriteFault"]
