@@ -25,7 +25,7 @@ from typing import Generic, Iterable, TypeVar
 
 from kvown.core.actions import Action, AdmissionRefused, FailStop
 from kvown.core.errors import ConfigError, LocalProtocolError
-from kvown.core.events import Event, MessageReceived, WatermarkSet
+from kvown.core.events import Event, MessageReceived, Tick, WatermarkSet
 from kvown.core.fence import CancellationFence
 from kvown.core.ids import split_request_id
 from kvown.core.messages import MAX_RANK, Watermark
@@ -80,7 +80,9 @@ class RankCore(Generic[S]):
             self._advance(now_ns, actions)
         if self.fatal is not None:  # latched now (actions holds the FailStop) or earlier
             return actions + self._refuse_after_fatal(event)
-        if isinstance(event, WatermarkSet):
+        if isinstance(event, Tick):
+            pass  # only time passed, and _advance applied it (events rule 3)
+        elif isinstance(event, WatermarkSet):
             self._on_local_watermark(event.epoch, actions)
         elif isinstance(event, MessageReceived) and isinstance(event.envelope.message, Watermark):
             m = event.envelope.message

@@ -1,0 +1,32 @@
+"""ReceiverCore alone: table-driven cases over the evidence ledger, deadlines and admission."""
+
+from __future__ import annotations
+
+import pytest
+from corekit import G, RX, T, kinds, msg, receiver
+
+from kvown.core.actions import Conclude, FailStop, Outcome, SendControl
+from kvown.core.events import OpenReceive, PublicationSent, Tick
+from kvown.core.messages import CancelSession
+
+
+def _open(r, rid=1, writers=(1,), slices=1, aux=-1, now=0):
+    out = r.handle(OpenReceive(rid, (0, 1), writers, slices, aux), now)
+    out += r.handle(PublicationSent(rid), now)
+    return out
+
+
+@pytest.mark.timeout(10)
+def test_tick_at_next_deadline_applies_the_timeout_and_returns_its_actions() -> None:
+    """Regression: Tick (what a driver sends at next_deadline_ns) used to raise LocalProtocolError after
+    the timeout had already been applied, so the Conclude and CANCEL_SESSION were lost."""
+    r = receiver()
+    _open(r)
+    assert r.next_deadline_ns() == T
+    out = r.handle(Tick(), T)
+    assert kinds(out) == ["Conclude", "SendControl:CancelSession"]
+    assert out[0] == Conclude(1, Outcome.TIMED_OUT, "transfer timeout")
+    assert out[1] == SendControl(1, CancelSession(1, RX))
+    assert r.next_deadline_ns() == T + G
+    out = r.handle(Tick(), T + G)
+    assert len(out) == 1 and isinstance(out[0], FailStop) and r.fatal is out[0]
