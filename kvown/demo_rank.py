@@ -1,0 +1,254 @@
+"""One rank of ``kvown demo``: a seeded, cancellation-heavy disaggregated workload over real NIXL.
+
+Owns: the workload plan (derived identically on every rank from the seed), the prefill/decode
+stand-ins, and the verification of every received block.
+
+Rules:
+  1. Context ranks are the first half of the world, generation ranks the second half.
+  2. Every source block is filled with ``fill_pattern(request, 0, block index)`` *after* its send
+     session was opened and *before* its write-ready token is signalled; a WRITE posted early would
+     carry stale bytes and fail verification (the demo checks the gating for real).
+  3. Every landed request is verified block by block; every retired block is stamped with a canary
+     that is checked when the run ends (a late write after retirement would break it).
+  4. Every wait is bounded by ``--deadline-s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kernels.nvfp4 import fill_pattern
+from kvown.adapters.cuda import WriteTracker
+from kvown.cache.layout import KVLayout
+from kvown.core.actions import Outcome
+from kvown.core.ids import make_request_id
+from kvown.runtime.bootstrap import connect_mpi
+from kvown.runtime.config import TransferConfig
+
+CANARY = 0xA5
+GO_TAG = 7  # context-first: "prefill done, publish now" (context rank -> generation rank)
+
+
+@dataclass(frozen=True)
+class Planned:
+    index: int
+    request_id: int
+    receiver: int
+    writers: tuple[int, ...]
+    num_blocks: int
+    cancel: str  # "", "rx_early", "rx_mid", "tx_mid", "both_before"
+    cancel_delay_s: float
+
+
+def make_plan(args: argparse.Namespace, ctx: list[int], gen: list[int]) -> list[Planned]:
+    rng = random.Random(args.seed)
+    plan = []
+    for i in range(args.requests):
+        writers = tuple(ctx) if args.fan_in else (ctx[i % len(ctx)],)
+        cancel = ""
+        if rng.random() < args.cancel_rate:
+            cancel = rng.choices(["rx_early", "rx_mid", "tx_mid", "both_before"], [2, 4, 3, 1])[0]
+        plan.append(Planned(i, make_request_id(1, i), gen[(i // len(ctx)) % len(gen)], writers,
+                            rng.randint(1, args.max_blocks), cancel, rng.uniform(0.0, 0.002)))
+    return plan
+
+
+def layout_for(args: argparse.Namespace) -> KVLayout:
+    return KVLayout.standard(num_layers=4, num_blocks=args.pool_blocks, tokens_per_block=16, num_kv_heads=2,
+                             head_dim=128, dtype="bfloat16")
+
+
+def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
+    sender, pool, tracker = rt.sender, rt.engine.pool, WriteTracker("cpu")
+    mine = [p for p in plan if rt.rank in p.writers]
+    free = list(range(args.pool_blocks))
+    open_: dict[int, tuple[Planned, object, tuple[int, ...], float]] = {}
+    pending, released, cancels = list(reversed(mine)), 0, 0
+    while (pending or open_) and time.monotonic() < deadline:
+        while pending and len(open_) < args.window and len(free) >= pending[-1].num_blocks:
+            p = pending.pop()
+            blocks = tuple(free.pop() for _ in range(p.num_blocks))
+            if p.cancel == "both_before":
+                sender.cancel(p.request_id)
+            token = tracker.pending()
+            handle = sender.send(p.request_id, blocks, ready=token, aux=p.request_id.to_bytes(8, "little"))
+            for j, b in enumerate(blocks):  # the "prefill": write the KV, then signal (rule 2)
+                fill_pattern(pool.block_view(b), p.request_id, 0, j)
+            token.signal()
+            open_[p.request_id] = (p, handle, blocks, time.monotonic())
+            if args.context_first:
+                comm.isend(p.request_id, dest=p.receiver, tag=GO_TAG)
+        now = time.monotonic()
+        for rid, (p, handle, blocks, opened) in list(open_.items()):
+            if p.cancel == "tx_mid" and now - opened >= p.cancel_delay_s and not getattr(handle, "_kv_cancelled", False):
+                handle._kv_cancelled = True
+                sender.cancel(rid)
+                cancels += 1
+            if handle.released.is_set():
+                free.extend(blocks)
+                released += 1
+                del open_[rid]
+        time.sleep(0.0002)
+    return {"role": "sender", "released": released, "unreleased": len(open_) + len(pending), "cancels": cancels}
+
+
+def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None) -> dict:
+    from mpi4py import MPI
+
+    receiver, pool = rt.receiver, rt.engine.pool
+    mine = [p for p in plan if p.receiver == rt.rank]
+    pending = list(reversed(mine))
+    go: dict[int, int] = {}
+    open_: dict[int, tuple[Planned, object, float]] = {}
+    out = {"role": "receiver", "completed": 0, "cancelled": 0, "failed": 0, "bytes": 0, "corrupted_blocks": 0,
+           "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [], "canary_broken": 0}
+    block_nbytes = pool.layout.block_nbytes
+    expected = torch.empty(block_nbytes, dtype=torch.uint8)
+    retired_blocks: set[int] = set()
+    last_progress = 0.0
+
+    def stamp(blocks: tuple[int, ...]) -> None:  # engine thread, right after retirement (rule 3)
+        for b in blocks:
+            pool.block_view(b).fill_(CANARY)
+        retired_blocks.update(blocks)
+
+    def check(blocks: tuple[int, ...]) -> None:  # engine thread, right after allocation, before publication
+        for b in blocks:
+            if b in retired_blocks and not bool((pool.block_view(b) == CANARY).all()):
+                out["canary_broken"] += 1  # a late write landed after retirement
+        retired_blocks.difference_update(blocks)
+
+    rt.engine.on_retire, rt.engine.on_allocate = stamp, check
+    while (pending or open_) and time.monotonic() < deadline:
+        if args.context_first:
+            while comm.Iprobe(source=MPI.ANY_SOURCE, tag=GO_TAG):
+                rid = comm.recv(source=MPI.ANY_SOURCE, tag=GO_TAG)
+                go[rid] = go.get(rid, 0) + 1
+        while pending and len(open_) < args.window:
+            p = pending[-1]
+            if p.cancel == "both_before":
+                pending.pop()
+                receiver.cancel(p.request_id)  # fence before publication: nothing is ever published
+                out["cancelled"] += 1
+                continue
+            if args.context_first and go.get(p.request_id, 0) < len(p.writers):
+                break
+            try:
+                handle = receiver.receive(p.request_id, p.num_blocks, p.writers,
+                                          num_slices=len(p.writers) if args.fan_in else 1, aux=True)
+            except Exception as exc:  # PoolExhausted: back-pressure, try again later
+                if type(exc).__name__ != "PoolExhausted":
+                    raise
+                break
+            pending.pop()
+            open_[p.request_id] = (p, handle, time.monotonic())
+        now = time.monotonic()
+        for rid, (p, handle, opened) in list(open_.items()):
+            if p.cancel in ("rx_early", "rx_mid") and not handle.cancelled_ns and not handle.landed.is_set():
+                if p.cancel == "rx_early" or now - opened >= p.cancel_delay_s:
+                    receiver.cancel(rid)
+                    handle.cancelled_ns = time.monotonic_ns()  # provisional; the engine stamps its own
+            if handle.landed.is_set() and not handle.released_ns and not handle.cancelled_ns:
+                bad = 0
+                for j, b in enumerate(handle.blocks):
+                    fill_pattern(expected, rid, 0, j)
+                    if not torch.equal(pool.block_view(b), expected):
+                        bad += 1
+                out["corrupted_blocks"] += bad
+                out["verified_blocks"] += len(handle.blocks)
+                if receiver.read_aux(handle)[:8] != rid.to_bytes(8, "little"):
+                    out["corrupted_blocks"] += 1
+                receiver.release(rid)
+                handle.released_ns = time.monotonic_ns()
+            if handle.retired.is_set():
+                outcome = handle.outcome.result(0) if handle.outcome.done() else None
+                if outcome is Outcome.COMPLETED:
+                    out["completed"] += 1
+                    out["bytes"] += len(handle.blocks) * block_nbytes
+                    out["retire_release_us"].append((handle.retired_ns - handle.released_ns) / 1e3)
+                elif outcome is Outcome.CANCELLED:
+                    out["cancelled"] += 1
+                    out["retire_cancel_us"].append((handle.retired_ns - handle.cancelled_ns) / 1e3)
+                else:
+                    out["failed"] += 1
+                del open_[rid]
+        if progress_path and now - last_progress > 0.1:
+            last_progress = now
+            done = len(mine) - len(pending) - len(open_)
+            _write_atomic(progress_path, f"{done} {len(mine)}")
+        time.sleep(0.0002)
+    time.sleep(0.05)  # let any stray late write land before the final canary check
+    rt.engine.submit(("call", lambda engine: check(tuple(retired_blocks)), fut := Future()))
+    fut.result(10)
+    out["unfinished"] = len(open_) + len(pending)
+    stats = rt.engine.statistics()
+    out["blocks_held_at_end"] = stats["pool"]["held"] + stats["pool"]["owned"]
+    out["fences"] = stats["receiver"]["fences"]
+    if progress_path:
+        _write_atomic(progress_path, f"{len(mine) - out['unfinished']} {len(mine)}")
+    return out
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvown.demo_rank")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cancel-rate", type=float, default=0.2)
+    ap.add_argument("--max-blocks", type=int, default=16)
+    ap.add_argument("--pool-blocks", type=int, default=512)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--context-first", action="store_true")
+    ap.add_argument("--fan-in", action="store_true")
+    ap.add_argument("--timeout-s", type=float, default=5.0)
+    ap.add_argument("--grace-s", type=float, default=None)
+    ap.add_argument("--fault", default="")
+    ap.add_argument("--deadline-s", type=float, default=120.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    ctx, gen = list(range(size // 2)), list(range(size // 2, size))
+    role = "sender" if comm.Get_rank() in ctx else "receiver"
+    config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, fault=args.fault)
+    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
+    plan = make_plan(args, ctx, gen)
+    comm.Barrier()
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline_s
+    if role == "sender":
+        local = run_sender(rt, comm, plan, args, deadline)
+    else:
+        progress = f"{args.out}.progress{comm.Get_rank()}"
+        local = run_receiver(rt, comm, plan, args, deadline, progress)
+    local["wall_s"] = time.monotonic() - t0
+    local["rank"] = comm.Get_rank()
+    local["engine"] = rt.engine.statistics()
+    results = comm.gather(local, root=0)
+    if comm.Get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    comm.Barrier()
+    rt.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
