@@ -292,6 +292,8 @@ class SenderCore(RankCore[SendSession]):
         return op.piece in s.ready
 
     def _post_ready(self, s: SendSession, stream: _Stream, now_ns: int, actions: list[Action]) -> None:
+        if self.poisoned and s.outcome is None:  # rule 2: a session attached after the poison fails too
+            self._conclude(s, Outcome.FAILED, "sender poisoned", now_ns, actions)
         if s.outcome is not None or self.poisoned:
             self._refuse_admitted(s, stream, actions)
             return
