@@ -420,6 +420,7 @@ class ReceiverCore(RankCore[ReceiveSession]):
                 s.state = RxState.DRAINING
         if s.has_claims():
             s.clock.start_drain(now_ns, reason)
+            self._schedule(s.request_id, s)  # the drain may have moved the fatal deadline earlier
         if s.state is not RxState.PUBLISHING:
             self._send_cancels(s, actions)
 

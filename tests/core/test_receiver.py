@@ -30,3 +30,20 @@ def test_tick_at_next_deadline_applies_the_timeout_and_returns_its_actions() -> 
     assert r.next_deadline_ns() == T + G
     out = r.handle(Tick(), T + G)
     assert len(out) == 1 and isinstance(out[0], FailStop) and r.fatal is out[0]
+
+
+@pytest.mark.timeout(10)
+def test_completion_with_acks_outstanding_schedules_the_drain_deadline() -> None:
+    """Regression: a completion that starts the drain (a broadcast candidate has not acked) did not
+    schedule drain + grace, so next_deadline_ns() said exposure + timeout and a missing ack went
+    unpunished (and late evidence could retire) between the two."""
+    from kvown.core.messages import KvResult, ResultStatus
+
+    r = receiver(timeout=10_000, grace=100)
+    _open(r, writers=(1, 2))  # broadcast: 2 candidates, 1 slice
+    out = r.handle(msg(1, RX, KvResult(1, 1, 0, True, ResultStatus.SUCCESS, 0)), 50)
+    assert kinds(out) == ["Conclude", "Deliver", "SendControl:CancelSession"]
+    assert r.next_deadline_ns() == 150  # drain started at 50; not 10_000 (exposure + timeout)
+    assert r.check_fatal(149) is None and r.check_fatal(150) is not None
+    out = r.handle(Tick(), 150)
+    assert isinstance(out[0], FailStop) and "writer 2" in out[0].detail
