@@ -47,7 +47,8 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -148,9 +149,9 @@ def coalesce(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def pair_ranges(
-    local: Sequence[tuple[int, int]],
-    remote: Sequence[tuple[int, int]],
-    local_breaks: frozenset[int] | set[int] = frozenset(),
+    local: Sequence[tuple[int, int]] | np.ndarray,
+    remote: Sequence[tuple[int, int]] | np.ndarray,
+    local_breaks: Iterable[int] = (),
 ) -> list[tuple[int, int, int]]:
     """Pair local and remote ranges byte for byte into ``(local_addr, remote_addr, nbytes)`` pieces.
 
@@ -158,29 +159,45 @@ def pair_ranges(
     local range against two 4 KiB remote ranges); pieces are cut where either side has a boundary, then
     neighbouring pieces are merged when they are contiguous on BOTH sides and the local junction is not
     in ``local_breaks`` (the start/end addresses of local registrations). Raises ``LocalProtocolError``
-    when the totals differ or a range is empty or negative.
+    when the totals differ or a range is empty or negative. Inputs may be Nx2 integer arrays.
     """
-    _check_ranges(local, "local")
-    _check_ranges(remote, "remote")
-    local_total = sum(n for _, n in local)
-    remote_total = sum(n for _, n in remote)
+    if _is_small(local, remote):
+        return _pair_small(local, remote, set(local_breaks))
+    la, ra, n = _pair_arrays(local, remote, local_breaks)
+    return list(zip(la.tolist(), ra.tolist(), n.tolist(), strict=True))
+
+
+_SMALL_RANGES = 16  # below this a plain loop beats numpy's fixed per-call overheads (~15 us)
+
+
+def _is_small(local: Any, remote: Any) -> bool:
+    return (not isinstance(local, np.ndarray) and not isinstance(remote, np.ndarray)
+            and len(local) <= _SMALL_RANGES and len(remote) <= _SMALL_RANGES)
+
+
+def _pair_small(
+    local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], breaks: set[int]
+) -> list[tuple[int, int, int]]:
+    """The same pairing as ``_pair_arrays`` as a plain loop (the tests check that they agree)."""
+    for side, ranges in (("local", local), ("remote", remote)):
+        if len(ranges) == 0:
+            raise LocalProtocolError("no ranges to transfer", field=side)
+        for rng in ranges:
+            if len(rng) != 2 or rng[0] < 0 or rng[1] <= 0:
+                raise LocalProtocolError("range must have addr >= 0 and nbytes > 0", field=side)
+    local_total, remote_total = sum(n for _, n in local), sum(n for _, n in remote)
     if local_total != remote_total:
         raise LocalProtocolError("local and remote ranges differ in total length", field="remote",
                                  local_nbytes=local_total, remote_nbytes=remote_total)
     pieces: list[tuple[int, int, int]] = []
-    li = ri = 0
-    loff = roff = 0
+    li = ri = loff = roff = 0
     while li < len(local):
-        laddr, lnb = local[li]
-        raddr, rnb = remote[ri]
+        (laddr, lnb), (raddr, rnb) = local[li], remote[ri]
         take = min(lnb - loff, rnb - roff)
         la, ra = laddr + loff, raddr + roff
-        if pieces:
-            pla, pra, pn = pieces[-1]
-            if pla + pn == la and pra + pn == ra and la not in local_breaks:
-                pieces[-1] = (pla, pra, pn + take)
-            else:
-                pieces.append((la, ra, take))
+        prev = pieces[-1] if pieces else None
+        if prev and prev[0] + prev[2] == la and prev[1] + prev[2] == ra and la not in breaks:
+            pieces[-1] = (prev[0], prev[1], prev[2] + take)
         else:
             pieces.append((la, ra, take))
         loff += take
@@ -192,13 +209,56 @@ def pair_ranges(
     return pieces
 
 
-def _check_ranges(ranges: Sequence[tuple[int, int]], side: str) -> None:
-    if len(ranges) == 0:
+def _as_ranges(ranges: Sequence[tuple[int, int]] | np.ndarray, side: str) -> np.ndarray:
+    try:
+        if isinstance(ranges, np.ndarray):
+            arr = ranges.astype(np.int64, copy=False)
+        else:  # fromiter over the flattened pairs is ~2x faster than np.asarray on a list of tuples
+            flat = itertools.chain.from_iterable(ranges)
+            arr = np.fromiter(flat, dtype=np.int64, count=2 * len(ranges)).reshape(-1, 2)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise LocalProtocolError("ranges must be (addr, nbytes) integer pairs", field=side) from e
+    if arr.size == 0:
         raise LocalProtocolError("no ranges to transfer", field=side)
-    for addr, nbytes in ranges:
-        if addr < 0 or nbytes <= 0:
-            raise LocalProtocolError("range must have addr >= 0 and nbytes > 0", field=side,
-                                     addr=addr, nbytes=nbytes)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise LocalProtocolError("ranges must be (addr, nbytes) integer pairs", field=side)
+    if (arr[:, 0] < 0).any() or (arr[:, 1] <= 0).any():
+        raise LocalProtocolError("range must have addr >= 0 and nbytes > 0", field=side)
+    return arr
+
+
+def _pair_arrays(
+    local: Sequence[tuple[int, int]] | np.ndarray,
+    remote: Sequence[tuple[int, int]] | np.ndarray,
+    local_breaks: Iterable[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lr, rr = _as_ranges(local, "local"), _as_ranges(remote, "remote")
+    local_total, remote_total = int(lr[:, 1].sum()), int(rr[:, 1].sum())
+    if local_total != remote_total:
+        raise LocalProtocolError("local and remote ranges differ in total length", field="remote",
+                                 local_nbytes=local_total, remote_nbytes=remote_total)
+    if lr.shape != rr.shape or not np.array_equal(lr[:, 1], rr[:, 1]):
+        lr, rr = _cut_to_common_pieces(lr, rr)
+    # Vectorised merge: a Python loop costs about 1 us per range, as much as NIXL's per-descriptor post.
+    join = (lr[:-1, 0] + lr[:-1, 1] == lr[1:, 0]) & (rr[:-1, 0] + rr[:-1, 1] == rr[1:, 0])
+    breaks = np.sort(np.fromiter(local_breaks, dtype=np.int64))
+    if breaks.size:
+        at = lr[1:, 0]
+        join &= breaks[np.minimum(np.searchsorted(breaks, at), breaks.size - 1)] != at
+    starts = np.flatnonzero(np.concatenate(([True], ~join)))
+    return lr[starts, 0], rr[starts, 0], np.add.reduceat(lr[:, 1], starts)
+
+
+def _cut_to_common_pieces(lr: np.ndarray, rr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cut both sides at the union of their boundaries so piece i has the same length on each side."""
+    lends, rends = np.cumsum(lr[:, 1]), np.cumsum(rr[:, 1])
+    cuts = np.union1d(lends, rends)  # ends of the common pieces; the last one is the total
+    begins = np.concatenate(([0], cuts[:-1]))
+    li = np.searchsorted(lends, begins, side="right")  # the range each piece starts in
+    ri = np.searchsorted(rends, begins, side="right")
+    lp = np.stack([lr[li, 0] + begins - (lends[li] - lr[li, 1]), cuts - begins], axis=1)
+    rp = np.stack([rr[ri, 0] + begins - (rends[ri] - rr[ri, 1]), cuts - begins], axis=1)
+    return lp, rp
 
 
 def _as_index_array(idx: Any, num_blocks: int, side: str) -> np.ndarray:
@@ -392,8 +452,13 @@ class NixlEndpoint:
         mem: MemKind,
         remote_mem: MemKind | None = None,
         notif: bytes | None = None,
+        *,
+        device_id: int = 0,
+        remote_device_id: int = 0,
     ) -> XferHandle:
         """Post one WRITE of the ``local`` ranges into the peer's ``remote`` ranges, coalesced.
+
+        ``device_id`` / ``remote_device_id`` name the GPU of VRAM ranges (ignored for DRAM).
 
         Called: per transfer slice, owner thread.
         Ownership: from a successful return (and from ``AdapterError(posted=None)``) both buffers
@@ -405,23 +470,30 @@ class NixlEndpoint:
         self._check_peer(peer)
         self._check_notif(notif)
         rmem = mem if remote_mem is None else remote_mem
-        pieces = pair_ranges(local, remote, self._breaks)
-        nbytes = sum(n for _, _, n in pieces)
+        lrows: Any
+        rrows: Any
+        if _is_small(local, remote):  # lists of 3-tuples: NIXL's cheapest input for a few descriptors
+            pieces = _pair_small(local, remote, self._breaks)
+            lrows = [(la, n, device_id) for la, _, n in pieces]
+            rrows = [(ra, n, remote_device_id) for _, ra, n in pieces]
+            count, nbytes = len(pieces), sum(n for _, _, n in pieces)
+        else:
+            laddr, raddr, sizes = _pair_arrays(local, remote, self._breaks)
+            count, nbytes = int(sizes.size), int(sizes.sum())
+            lrows = np.zeros((count, 3), dtype=np.uint64)
+            rrows = np.zeros((count, 3), dtype=np.uint64)
+            lrows[:, 0], lrows[:, 1], lrows[:, 2] = laddr, sizes, device_id
+            rrows[:, 0], rrows[:, 1], rrows[:, 2] = raddr, sizes, remote_device_id
         try:
-            arr = np.asarray(pieces, dtype=np.uint64)
-            ldesc = np.empty((len(pieces), 3), dtype=np.uint64)
-            rdesc = np.empty((len(pieces), 3), dtype=np.uint64)
-            ldesc[:, 0], ldesc[:, 1], ldesc[:, 2] = arr[:, 0], arr[:, 2], 0
-            rdesc[:, 0], rdesc[:, 1], rdesc[:, 2] = arr[:, 1], arr[:, 2], 0
-            ldl = self._agent.get_xfer_descs(ldesc, mem.value)
-            rdl = self._agent.get_xfer_descs(rdesc, rmem.value)
+            ldl = self._agent.get_xfer_descs(lrows, mem.value)
+            rdl = self._agent.get_xfer_descs(rrows, rmem.value)
             if ldl is None or rdl is None:
                 raise ValueError("NIXL refused the descriptor arrays")
             lib = self._agent.initialize_xfer("WRITE", ldl, rdl, peer, notif or b"")
         except Exception as e:
             raise AdapterError("could not prepare the WRITE", cause=e, op="initialize_xfer",
                                posted=False, peer=peer, nbytes=nbytes) from e
-        return self._post(lib, peer, nbytes, len(pieces))
+        return self._post(lib, peer, nbytes, count)
 
     def prep_blocks(
         self,

@@ -256,7 +256,7 @@ class _FakeAgent:
         self.peer_regions.pop(name, None)
 
     # -- descriptors and transfers
-    def get_xfer_descs(self, descs: np.ndarray, mem: str) -> _Dlist:
+    def get_xfer_descs(self, descs: Any, mem: str) -> _Dlist:  # Nx3 array or list of 3-tuples
         if mem != "DRAM":
             raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
         return _Dlist([(int(a), int(n)) for a, n, _ in descs], None)

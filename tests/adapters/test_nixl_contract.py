@@ -21,6 +21,8 @@ from kvown.adapters.nixl import (
     MemKind,
     NixlEndpoint,
     XferStatus,
+    _pair_arrays,
+    _pair_small,
     coalesce,
     pair_ranges,
 )
@@ -75,6 +77,15 @@ def test_pair_ranges_rejects_bad_input() -> None:
         pair_ranges([], [])
     with pytest.raises(LocalProtocolError):
         pair_ranges([(0x1000, 0)], [(0x9000, 0)])
+    many = [(0x1000 + 8 * i, 8) for i in range(40)]  # the vectorised path
+    with pytest.raises(LocalProtocolError) as e:
+        pair_ranges(many, many[:-1])
+    assert e.value.field == "remote"
+    with pytest.raises(LocalProtocolError) as e:
+        pair_ranges([*many[:-1], (0x1000, -8)], many)
+    assert e.value.field == "local"
+    assert pair_ranges(many, [(0x9000, 320)], local_breaks={0x1000 + 160}) == [
+        (0x1000, 0x9000, 160), (0x10A0, 0x90A0, 160)]
 
 
 def _split(total: int, cuts: list[int]) -> list[int]:
@@ -90,8 +101,9 @@ def _split(total: int, cuts: list[int]) -> list[int]:
     rcuts=st.lists(st.integers(0, 63), max_size=8),
     lgaps=st.lists(st.integers(0, 2), min_size=9, max_size=9),
     rgaps=st.lists(st.integers(0, 2), min_size=9, max_size=9),
+    breaks=st.sets(st.integers(1000, 1100), max_size=3),
 )
-def test_pair_ranges_preserves_the_byte_mapping(total, lcuts, rcuts, lgaps, rgaps) -> None:
+def test_pair_ranges_preserves_the_byte_mapping(total, lcuts, rcuts, lgaps, rgaps, breaks) -> None:
     def lay(sizes: list[int], gaps: list[int], base: int) -> list[tuple[int, int]]:
         out, addr = [], base
         for n, g in zip(sizes, gaps, strict=False):
@@ -105,12 +117,15 @@ def test_pair_ranges_preserves_the_byte_mapping(total, lcuts, rcuts, lgaps, rgap
     remote = lay(rsizes, rgaps + [0] * len(rsizes), 5000)
     want = list(zip([a + i for a, n in local for i in range(n)], [a + i for a, n in remote for i in range(n)],
                     strict=True))
-    pieces = pair_ranges(local, remote)
+    pieces = _pair_small(local, remote, breaks)
+    la, ra, n = _pair_arrays(np.array(local), np.array(remote), breaks)
+    assert list(zip(la.tolist(), ra.tolist(), n.tolist(), strict=True)) == pieces  # both paths agree
+    assert pair_ranges(local, remote, breaks) == pieces
     got = [(la + i, ra + i) for la, ra, n in pieces for i in range(n)]
     assert got == want
-    # maximal merging: no two neighbouring pieces are contiguous on both sides
+    # maximal merging: neighbours stay apart only if not contiguous on both sides, or at a break
     for (la, ra, n), (lb, rb, _) in itertools.pairwise(pieces):
-        assert not (la + n == lb and ra + n == rb)
+        assert not (la + n == lb and ra + n == rb) or lb in breaks
 
 
 # --------------------------------------------------------------------------- fake / real pairs
