@@ -10,7 +10,8 @@ Rules:
      retires and no evidence changes anything. ``check_fatal`` is pure, so a watchdog thread can
      evaluate deadlines under the engine's lock even when the engine thread is blocked.
   3. An illegal (state, input) pair raises and leaves the state unchanged: handlers validate first,
-     then mutate.
+     then mutate. Time is applied before the event, so when the event then raises, the actions that
+     time produced are not lost: the next ``handle`` call returns them first.
 
 Invariants:
   INV-C1: after a FailStop, ``handle`` returns no action other than ``AdmissionRefused``.
@@ -64,6 +65,7 @@ class RankCore(Generic[S]):
         self.fatal: FailStop | None = None
         self.counters: dict[str, int] = {}
         self._now_ns = -1
+        self._carried: list[Action] = []  # time-driven actions of a call whose event then raised
         self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id); stale entries are fine
         self._local_watermark = 0
         self._peer_watermarks: dict[int, int] = {}
@@ -75,11 +77,21 @@ class RankCore(Generic[S]):
         if now_ns < self._now_ns:
             raise LocalProtocolError("clock went backwards", field="now_ns", now_ns=now_ns, last_ns=self._now_ns)
         self._now_ns = now_ns
-        actions: list[Action] = []
+        actions, self._carried = self._carried, []
         if self.fatal is None:
             self._advance(now_ns, actions)
         if self.fatal is not None:  # latched now (actions holds the FailStop) or earlier
             return actions + self._refuse_after_fatal(event)
+        try:
+            self._apply(event, now_ns, actions)
+        except Exception:
+            # The event is rejected, but the time it carried was applied: keep those actions for the
+            # next call (next_deadline_ns() says "now") instead of losing them with the exception.
+            self._carried = actions
+            raise
+        return actions
+
+    def _apply(self, event: Event, now_ns: int, actions: list[Action]) -> None:
         if isinstance(event, Tick):
             pass  # only time passed, and _advance applied it (events rule 3)
         elif isinstance(event, WatermarkSet):
@@ -93,10 +105,11 @@ class RankCore(Generic[S]):
                 self._count("foreign_watermarks")
         else:
             self._dispatch(event, now_ns, actions)
-        return actions
 
     def next_deadline_ns(self) -> int | None:
         """When the driver must call ``handle(Tick(), now)`` next, or None if no clock runs."""
+        if self._carried:
+            return self._now_ns  # actions of an earlier call are waiting: call handle(Tick()) now
         while self._deadlines and self._deadlines[0][1] not in self.sessions:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines and self.fatal is None else None

@@ -47,3 +47,23 @@ def test_completion_with_acks_outstanding_schedules_the_drain_deadline() -> None
     assert r.check_fatal(149) is None and r.check_fatal(150) is not None
     out = r.handle(Tick(), 150)
     assert isinstance(out[0], FailStop) and "writer 2" in out[0].detail
+
+
+@pytest.mark.timeout(10)
+def test_actions_of_applied_time_survive_a_rejected_event() -> None:
+    """Regression: handle() applies due timeouts before the event; when the event then raised (a bad
+    peer frame delivered after the deadline), the timeout's Conclude and CANCEL_SESSION were lost while
+    the session already counted the cancel as sent, so the writer was never asked to quiesce."""
+    from kvown.core.errors import PeerProtocolError
+    from kvown.core.messages import SessionQuiesced
+
+    r = receiver()
+    _open(r)
+    forged = msg(3, RX, SessionQuiesced(1, 1))  # rank 3 claims to be writer 1
+    with pytest.raises(PeerProtocolError) as info:
+        r.handle(forged, T + 5)
+    assert info.value.field == "writer_rank"
+    assert r.next_deadline_ns() == T + 5  # call back now: actions are waiting
+    out = r.handle(Tick(), T + 5)
+    assert kinds(out) == ["Conclude", "SendControl:CancelSession"]
+    assert r.handle(Tick(), T + 6) == []  # returned once
