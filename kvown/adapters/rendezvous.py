@@ -19,7 +19,7 @@ Rules:
      validated. A violation raises ``PeerProtocolError(field=...)`` and changes no state.
   2. Every wait is bounded: socket timeouts on each call; ``lookup`` retries until ``timeout_s``.
   3. Re-publishing a name replaces its blob (an agent re-publishes after registering more memory).
-  4. The key is a per-job secret of at least 16 bytes; the runtime reads it from ``KVOWN_JOB_KEY``.
+  4. The key is a per-job secret of at least 16 bytes; the runtime reads it (hex) from ``KVOWN_JOB_KEY``.
 
 Invariants:
   INV-RV-1  The table changes only on an authenticated, fully validated publish request.
@@ -75,20 +75,25 @@ class Reply(enum.IntEnum):
 
 
 def job_key_from_env(env: Mapping[str, str] | None = None) -> bytes:
-    """Read the per-job HMAC key from ``KVOWN_JOB_KEY``.
+    """Read the per-job HMAC key from ``KVOWN_JOB_KEY`` (hex, as ``kvown.runtime.bootstrap`` reads it).
 
     Called: once at startup. After error: ``ConfigError``; nothing started.
     """
     value = (os.environ if env is None else env).get(JOB_KEY_ENV, "")
-    key = value.encode()
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        raise ConfigError("job key is not hex", field="key", fix=_KEY_FIX) from None
     _check_key(key)
     return key
 
 
+_KEY_FIX = f"export {JOB_KEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') on every rank"
+
+
 def _check_key(key: bytes) -> None:
     if not isinstance(key, (bytes, bytearray)) or len(key) < MIN_KEY_NBYTES:
-        raise ConfigError("job key missing or shorter than 16 bytes", field="key",
-                          fix=f"export {JOB_KEY_ENV}=<at least 16 random characters, same for every rank>")
+        raise ConfigError("job key missing or shorter than 16 bytes", field="key", fix=_KEY_FIX)
 
 
 # ----------------------------------------------------------------------------- frames

@@ -44,7 +44,7 @@ _ids = itertools.count()
 # --------------------------------------------------------------------------- pure helpers
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_coalesce_merges_only_adjacent_in_order() -> None:
     assert coalesce([(100, 10), (110, 5), (115, 1)]) == [(100, 16)]
     assert coalesce([(100, 10), (200, 10), (210, 10)]) == [(100, 10), (200, 20)]
@@ -53,7 +53,7 @@ def test_coalesce_merges_only_adjacent_in_order() -> None:
     assert coalesce([]) == []
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_pair_ranges_needs_contiguity_on_both_sides() -> None:
     # contiguous on both sides: one piece
     assert pair_ranges([(0x1000, 8), (0x1008, 8)], [(0x9000, 8), (0x9008, 8)]) == [(0x1000, 0x9000, 16)]
@@ -68,7 +68,7 @@ def test_pair_ranges_needs_contiguity_on_both_sides() -> None:
         (0x1000, 0x9000, 8), (0x1008, 0x9008, 8)]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_pair_ranges_rejects_bad_input() -> None:
     with pytest.raises(LocalProtocolError) as e:
         pair_ranges([(0x1000, 8)], [(0x9000, 16)])
@@ -93,7 +93,7 @@ def _split(total: int, cuts: list[int]) -> list[int]:
     return [b - a for a, b in itertools.pairwise(points)]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 @settings(max_examples=200, deadline=None)
 @given(
     total=st.integers(1, 64),
@@ -194,7 +194,7 @@ def pair(request):
     p.close()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_register_and_metadata_exchange(pair: Pair) -> None:
     assert pair.a.peers == {pair.b.name}
     assert pair.b.peers == {pair.a.name}
@@ -203,7 +203,7 @@ def test_register_and_metadata_exchange(pair: Pair) -> None:
     assert pair.a.add_peer(pair.b.metadata()) == pair.b.name
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_write_lands_exactly_the_bytes(pair: Pair) -> None:
     s, d = pair.src_addr, pair.dst_addr
     local = [(s + 0, 4 * KIB), (s + 64 * KIB, 4 * KIB), (s + 200 * KIB, 1000)]
@@ -219,7 +219,7 @@ def test_write_lands_exactly_the_bytes(pair: Pair) -> None:
     assert pair.a.live_handles == 0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_coalescing_reduces_descriptor_count(pair: Pair) -> None:
     s, d = pair.src_addr, pair.dst_addr
     blocks = [(s + i * 4 * KIB, 4 * KIB) for i in range(16)]
@@ -244,7 +244,7 @@ def test_coalescing_reduces_descriptor_count(pair: Pair) -> None:
             assert not pair.dst[off + 4 * KIB : off + 8 * KIB].any()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_prepped_blocks_write_by_index(pair: Pair) -> None:
     bs, nblocks = 4 * KIB, 256
     lp = pair.a.prep_blocks(pair.src_addr, bs, nblocks, MemKind.DRAM)
@@ -269,7 +269,7 @@ def test_prepped_blocks_write_by_index(pair: Pair) -> None:
     assert pair.a.live_handles == 0
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_poll_and_release_rules(pair: Pair) -> None:
     # nothing pumps the target, so the WRITE (with its notification) cannot complete yet
     h = pair.a.post_write(pair.b.name, [(pair.src_addr, 4 * KIB)], [(pair.dst_addr, 4 * KIB)],
@@ -289,7 +289,7 @@ def test_poll_and_release_rules(pair: Pair) -> None:
         pair.b.poll(h)  # a handle belongs to its endpoint
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_notifications_carry_sender_and_payload(pair: Pair) -> None:
     for i in range(5):
         pair.a.send_notif(pair.b.name, b"ping-%d" % i)
@@ -300,7 +300,7 @@ def test_notifications_carry_sender_and_payload(pair: Pair) -> None:
     assert pair.a.drain_notifs() == []
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_write_notification_follows_the_data(pair: Pair) -> None:
     n = 256 * KIB
     h = pair.a.post_write(pair.b.name, [(pair.src_addr, n)], [(pair.dst_addr, n)], MemKind.DRAM,
@@ -319,7 +319,7 @@ def test_write_notification_follows_the_data(pair: Pair) -> None:
     pair.a.release(h)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_large_notification_and_cap(pair: Pair) -> None:
     table = np.arange(16_384, dtype=np.int32).tobytes()  # a block table of 16k ints (64 KiB)
     pair.a.send_notif(pair.b.name, table)
@@ -332,7 +332,7 @@ def test_large_notification_and_cap(pair: Pair) -> None:
     assert e.value.field == "notif"
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_close_refuses_live_handles(pair: Pair) -> None:
     h = pair.a.post_write(pair.b.name, [(pair.src_addr, 4 * KIB)], [(pair.dst_addr, 4 * KIB)],
                           MemKind.DRAM, notif=b"n")
@@ -351,7 +351,7 @@ def test_close_refuses_live_handles(pair: Pair) -> None:
         pair.a.metadata()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_bad_arguments_raise_typed_errors(pair: Pair) -> None:
     a, b, s, d = pair.a, pair.b, pair.src_addr, pair.dst_addr
     with pytest.raises(LocalProtocolError) as e:
@@ -384,7 +384,7 @@ def test_bad_arguments_raise_typed_errors(pair: Pair) -> None:
         a.register(s, 4 * KIB, "DRAM")  # type: ignore[arg-type]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_late_registration_needs_fresh_metadata(pair: Pair) -> None:
     late = np.zeros(8 * KIB, dtype=np.uint8)
     pair.b.register(late.ctypes.data, late.nbytes, MemKind.DRAM)
@@ -419,7 +419,7 @@ def fake() -> Pair:
     p.close()
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_error_is_in_doubt_bytes_land_after_release(fake: Pair) -> None:
     fake.fabric.inject_write(WriteFault(delay_polls=2, outcome=FakeOutcome.ERR, land_after_ticks=3))
     h = fake.a.post_write(fake.b.name, [(fake.src_addr, 4 * KIB)], [(fake.dst_addr, 4 * KIB)], MemKind.DRAM)
@@ -433,7 +433,7 @@ def test_fake_error_is_in_doubt_bytes_land_after_release(fake: Pair) -> None:
     assert fake.fabric.pending_ghosts == 0
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_error_can_resolve_to_done_on_the_same_handle(fake: Pair) -> None:
     fake.fabric.inject_write(WriteFault(at=FaultPoint.POST_RAISES, delay_polls=1, land_after_ticks=None))
     with pytest.raises(AdapterError) as e:
@@ -449,7 +449,7 @@ def test_fake_error_can_resolve_to_done_on_the_same_handle(fake: Pair) -> None:
     fake.a.release(h)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_prep_failure_posts_nothing(fake: Pair) -> None:
     fake.fabric.inject_write(WriteFault(at=FaultPoint.PREP))
     with pytest.raises(AdapterError) as e:
@@ -463,7 +463,7 @@ def test_fake_prep_failure_posts_nothing(fake: Pair) -> None:
     fake.a.release(h)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_poll_exception_is_error_with_cause(fake: Pair) -> None:
     fake.fabric.inject_write(WriteFault(delay_polls=0, outcome=FakeOutcome.RAISE))
     h = fake.a.post_write(fake.b.name, [(fake.src_addr, 64)], [(fake.dst_addr, 64)], MemKind.DRAM)
@@ -474,7 +474,7 @@ def test_fake_poll_exception_is_error_with_cause(fake: Pair) -> None:
     assert not fake.dst.any()
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_notifications_drop_and_delay(fake: Pair) -> None:
     fake.fabric.inject_notif(NotifFault(drop=True))
     fake.fabric.inject_notif(NotifFault(delay_drains=2))
@@ -486,7 +486,7 @@ def test_fake_notifications_drop_and_delay(fake: Pair) -> None:
     assert fake.b.drain_notifs() == []
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(30)
 def test_fake_writes_to_a_closed_peer_fail(fake: Pair) -> None:
     fake.b.close()
     h = fake.a.post_write(fake.b.name, [(fake.src_addr, 64)], [(fake.dst_addr, 64)], MemKind.DRAM)
@@ -524,7 +524,7 @@ def _child(conn) -> None:  # runs in a spawned process: receive a WRITE, echo it
     ep.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_real_write_and_notification_across_processes() -> None:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
