@@ -38,6 +38,7 @@ from kvown.core.actions import FailStop, FatalReason
 from kvown.runtime.flight import FlightRecorder
 
 DUMP_JOIN_S = 0.5
+_SIGWAIT_TIDS: set[int] = set()  # native ids of install_sigterm_dump's threads
 
 
 class ExitCode(enum.IntEnum):
@@ -194,9 +195,13 @@ def install_sigterm_dump(
     SIGTERM is blocked and a dedicated thread waits for it with ``sigwait``, so the dump happens
     whatever the main thread is doing; the reason is written as ``"terminated"``.
 
-    Called: once, from the main thread, BEFORE ``mpi4py.MPI`` is imported or any thread starts
-    (threads inherit the blocked mask; a thread created earlier may take SIGTERM itself and the
-    process then dies at once, with no dump: safe, only less informative).
+    Called: once, from the main thread, with SIGTERM already blocked in every thread of the process.
+    Threads inherit the mask from their creator, and importing ``kvown`` itself starts native threads
+    (torch, MPI), so the entry point must run
+    ``signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})`` as its first statement, before
+    importing kvown. If some thread still has SIGTERM unblocked, the kernel may hand SIGTERM to it and
+    the process dies at once with no dump: safe, only less informative. ``sigterm_blocked_everywhere``
+    tells which case you are in.
     After error: the dump is bounded by ``join_s``; the process always SIGKILLs itself afterwards.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -215,4 +220,32 @@ def install_sigterm_dump(
 
     thread = threading.Thread(target=wait_for_term, name="kvown-sigterm", daemon=True)
     thread.start()
+    if thread.native_id is not None:
+        _SIGWAIT_TIDS.add(thread.native_id)
     return thread
+
+
+def sigterm_blocked_everywhere() -> bool | None:
+    """True if every thread of this process blocks SIGTERM (so only a ``sigwait`` thread can take it).
+
+    Reads each thread's ``SigBlk`` mask from ``/proc/self/task/*/status``, skipping the sigwait
+    threads (while a thread waits in ``sigwait`` the kernel shows the waited signals unblocked there).
+    None where /proc is missing.
+    Called: after ``install_sigterm_dump``, to report whether the dump on SIGTERM is reliable.
+    """
+    bit = 1 << (signal.SIGTERM - 1)
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        if int(tid) in _SIGWAIT_TIDS:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                mask = next((line.split()[1] for line in f if line.startswith("SigBlk:")), None)
+        except OSError:
+            continue  # the thread exited meanwhile
+        if mask is not None and not int(mask, 16) & bit:
+            return False
+    return True

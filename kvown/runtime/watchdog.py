@@ -64,7 +64,7 @@ class RetirementWatchdog(threading.Thread):
         self._clock = clock
         self._period_s = min(period_s, MAX_PERIOD_S)
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop_requested = threading.Event()
         self.fatal: FailStop | None = None
         self.delivery_error: BaseException | None = None
         self.checks = 0  # evaluations so far (tests and diagnostics)
@@ -75,7 +75,7 @@ class RetirementWatchdog(threading.Thread):
 
     def stop(self) -> None:
         """End the thread if it has not fired. Called: by tests / orderly shutdown, once."""
-        self._stop.set()
+        self._stop_requested.set()
         self._wake.set()
 
     @property
@@ -83,7 +83,7 @@ class RetirementWatchdog(threading.Thread):
         return self.fatal is not None
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop_requested.is_set():
             action, wait_s = self._evaluate()
             if action is not None:
                 self._deliver(action)

@@ -267,12 +267,14 @@ def test_real_self_sigkill_without_mpi() -> None:
 def test_sigterm_dump_runs_while_main_thread_is_stuck_in_c(tmp_path) -> None:
     code = textwrap.dedent(
         f"""
-        import sys
-        from kvown.runtime.failstop import install_sigterm_dump
+        import signal, sys
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})  # before kvown starts any thread
+        from kvown.runtime.failstop import install_sigterm_dump, sigterm_blocked_everywhere
         from kvown.runtime.flight import FlightRecorder
         rec = FlightRecorder(rank=5)
         install_sigterm_dump(rec, dump_dir={str(tmp_path)!r})
         rec.record("publish", 11, dst_rank=0)
+        assert sigterm_blocked_everywhere() is True
         print("ready", flush=True)
         sys.stdin.read()  # blocked in a C read, as a rank is in a barrier
         print("not killed")
@@ -291,6 +293,24 @@ def test_sigterm_dump_runs_while_main_thread_is_stuck_in_c(tmp_path) -> None:
     records = read_flight_file(dump)
     assert records[0]["reason"] == "terminated"
     assert [r["request_id"] for r in records if r["type"] == "event"][:1] == [11]
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_coverage_check_sees_an_unblocked_thread() -> None:
+    code = textwrap.dedent(
+        """
+        import signal, threading
+        from kvown.runtime.failstop import sigterm_blocked_everywhere
+        started = threading.Event()
+        t = threading.Thread(target=lambda: (started.set(), threading.Event().wait(5)), daemon=True)
+        t.start(); started.wait(5)  # created while SIGTERM is still deliverable
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        print(sigterm_blocked_everywhere())
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.strip() == "False", proc.stderr
 
 
 # --------------------------------------------------------------------------- retirement watchdog
