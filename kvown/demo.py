@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (schema: docs/demo-report.md)")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of the retirement-latency distribution")
     ap.add_argument("--deadline-s", type=float, default=120.0, help="hard limit for the whole world")
+    ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests only: a deliberately broken receiver
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.ranks % 2:
         ap.error("--ranks must be an even number >= 2")
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_args.append("--fan-in")
     if args.fault:
         rank_args += ["--fault", "stuck-writer:rank=0:nth=3"]
+    if args.mutant:
+        rank_args += ["--mutant", args.mutant]
     env = dict(os.environ, KVOWN_FLIGHT_DIR=flight_dir, PYTHONUNBUFFERED="1")
     cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.demo_rank", *rank_args]
     print(f"kvown demo: {args.ranks} ranks, {args.requests} requests, seed {args.seed}"

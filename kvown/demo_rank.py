@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -204,6 +205,20 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _apply_mutant(name: str) -> None:
+    """Deliberately break the receiver so tests can prove the demo's verification catches it."""
+    from kvown.core import receiver
+
+    if name != "retire-on-cancel":
+        raise SystemExit(f"unknown mutant {name!r}")
+    original = receiver.ReceiveSession.has_claims
+
+    def retire_on_cancel_without_ack(self) -> bool:  # the bug every peer system shipped
+        return False if self.outcome is Outcome.CANCELLED else original(self)
+
+    receiver.ReceiveSession.has_claims = retire_on_cancel_without_ack
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown.demo_rank")
     ap.add_argument("--requests", type=int, default=2000)
@@ -218,11 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace-s", type=float, default=None)
     ap.add_argument("--fault", default="")
     ap.add_argument("--deadline-s", type=float, default=120.0)
+    ap.add_argument("--switch-interval-s", type=float, default=2e-4)
+    ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests: prove the checks catch a bug
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    sys.setswitchinterval(args.switch_interval_s)  # the engine thread must not wait 5 ms for the GIL
 
     from mpi4py import MPI
 
+    if args.mutant:
+        _apply_mutant(args.mutant)
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
     ctx, gen = list(range(size // 2)), list(range(size // 2, size))

@@ -175,7 +175,8 @@ class Engine:
         self.stats = collections.Counter()
         self.fatal: FailStop | None = None
         self._stop = threading.Event()
-        self._stuck_ops: set[int] = set()
+        self._stuck_ops: set[int] = set()  # fault injection: never polled again
+        self._slow_ops: dict[int, int] = {}  # fault injection: op id -> instant before which it is not polled
         self._fault = _parse_fault(config.fault, rank)
         # Optional checks run on the engine thread (the demo's canaries): called with the block ids
         # right after they retire, and right after they are allocated (before anything is published).
@@ -197,6 +198,16 @@ class Engine:
         """Stop the loop (orderly shutdown after every session retired). Called: once, any thread."""
         self._stop.set()
         self.thread.join(timeout_s)
+
+    def call(self, fn: Callable[[Engine], Any], timeout_s: float = 10.0) -> Any:
+        """Run ``fn(engine)`` on the engine thread and return its result (tests, diagnostics, faults)."""
+        future: Future = Future()
+        self.submit(("call", fn, future))
+        return future.result(timeout_s)
+
+    def inject_fault(self, text: str) -> None:
+        """Arm faults at the NIXL seam (see ``_parse_fault``). Called: by tests, any thread."""
+        self.call(lambda engine: engine._fault.update(_parse_fault(text, engine.rank)))
 
     def allocate_aux(self) -> int:
         """Take an aux slot (engine thread or before start)."""
@@ -403,8 +414,8 @@ class Engine:
         moved = False
         sender = self.sender
         for op_id, handle in list(self._writes.items()):
-            if op_id in self._stuck_ops:
-                continue  # fault injection: this WRITE never reports (a stuck writer)
+            if op_id in self._stuck_ops or self._slow_ops.get(op_id, 0) > self.clock():
+                continue  # fault injection: a stuck writer never reports; a slow one reports late
             status = self.endpoint.poll(handle)
             if status is XferStatus.IN_PROGRESS:
                 continue
@@ -512,9 +523,12 @@ class Engine:
             return
         self._writes[action.op_id] = handle
         self.stats["bytes_written"] += handle.nbytes
-        if self._fault.get("stuck-writer") is not None and self._fault_fires("stuck-writer"):
+        if "stuck-writer" in self._fault and self._fault_fires("stuck-writer"):
             self._stuck_ops.add(action.op_id)
             self.recorder.record("fault_stuck_writer", action.request_id, op_id=action.op_id)
+        if "slow-writer" in self._fault and self._fault_fires("slow-writer"):
+            self._slow_ops[action.op_id] = self.clock() + self._fault["slow-writer"].get("ms", 300) * 1_000_000
+            self.recorder.record("fault_slow_writer", action.request_id, op_id=action.op_id)
         self._events.append((self.sender, WriteSubmitted(action.op_id)))
 
     def _kv_ranges(self, action: PostWrite, peer: PeerInfo) -> tuple[list, list]:
@@ -571,11 +585,16 @@ class Engine:
     def _fault_fires(self, name: str) -> bool:
         spec = self._fault[name]
         spec["seen"] = spec.get("seen", 0) + 1
-        return spec["seen"] == spec.get("nth", 1)
+        return spec.get("nth", 1) in (0, spec["seen"])
 
 
 def _parse_fault(text: str, rank: int) -> dict[str, dict[str, int]]:
-    """``KVOWN_FAULT="stuck-writer:rank=0:nth=3"`` -> {"stuck-writer": {"nth": 3}} on rank 0."""
+    """Fault injection at the NIXL seam, for tests and ``kvown demo --fault``.
+
+    ``KVOWN_FAULT="stuck-writer:rank=0:nth=3"``: on rank 0 the 3rd posted WRITE never reports DONE.
+    ``"slow-writer:rank=0:nth=1:ms=300"``: the 1st posted WRITE reports DONE only after 300 ms
+    (``nth=0`` means every WRITE). Entries are comma-separated.
+    """
     faults: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, *opts = item.split(":")

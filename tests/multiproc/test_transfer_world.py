@@ -1,0 +1,49 @@
+"""Real 3-rank world over NIXL (UCX on host memory): the issue's transfer scenarios, end to end.
+
+One mpirun world runs every scenario (tests/multiproc/worlds/transfer_scenarios.py); each test below
+checks one scenario's recorded checks. A scenario that did not run, or raised, fails its test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import WORLDS, mpirun, run
+
+EXPECTED = {
+    "happy": {"landed", "data_verified", "aux_verified", "retired", "completed", "sender_released", "sender_completed"},
+    "cancel_before_publication": {"born_cancelled", "retired", "nothing_published", "sender_born_cancelled",
+                                  "sender_released", "nothing_written"},
+    "cancel_mid_transfer": {"held_while_write_in_flight", "retired_after_quiesce", "waited_for_the_write",
+                            "outcome_cancelled", "sender_cancelled", "sender_released_after_done"},
+    "cancel_before_sender_session": {"retired", "cancelled", "late_session_born_cancelled", "released",
+                                     "nothing_written"},
+    "fan_in_one_writer_cancelled": {"failed", "retired", "writer1_cancelled", "writer0_released", "writer1_released"},
+    "broadcast_publication": {"landed", "data_verified", "retired", "completed", "selected_writer_completed",
+                              "candidate_fenced"},
+    "context_first": {"sender_completed", "landed", "data_verified", "retired"},
+    "hostile_frames": {"rejected_and_counted", "replay_dropped", "no_session_created", "not_quarantined",
+                       "pool_unchanged"},
+    "still_works_afterwards": {"landed", "data_verified", "retired"},
+}
+
+
+@pytest.fixture(scope="module")
+def scenario_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("world") / "scenarios.json"
+    proc = run(mpirun(3) + [__import__("sys").executable, str(WORLDS / "transfer_scenarios.py"), str(out)], 240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_scenario(scenario_results, name):
+    checks = scenario_results.get(name, {})
+    failed = sorted(k for k, v in checks.items() if not v)
+    assert not failed, f"{name}: failed checks {failed}"
+    missing = EXPECTED[name] - checks.keys()
+    assert not missing, f"{name}: checks never recorded {sorted(missing)}"

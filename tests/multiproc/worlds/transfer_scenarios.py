@@ -1,0 +1,279 @@
+"""A 3-rank world (ranks 0 and 1 write, rank 2 receives) that runs the issue's transfer scenarios.
+
+Each scenario runs on every rank between barriers; the receiver (and where useful a sender) records
+checks as {scenario: {check: bool}} and rank 0 writes all of them as JSON to argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+sys.setswitchinterval(2e-4)
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from kernels.nvfp4 import fill_pattern  # noqa: E402
+from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
+from kvown.adapters.cuda import WriteTracker  # noqa: E402
+from kvown.core.messages import Envelope, KvResult, ResultStatus, seal  # noqa: E402
+from kvown.adapters import codec  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+RX, W0, W1 = 2, 0, 1
+LAYOUT = KVLayout.standard(num_layers=2, num_blocks=64, tokens_per_block=16, num_kv_heads=2, head_dim=64,
+                           dtype="bfloat16")
+rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0),
+                 roles={"receiver"} if rank == RX else {"sender"})
+pool = rt.engine.pool
+results: dict[str, dict[str, bool]] = {}
+seq = iter(range(1000))
+
+
+def rid() -> int:
+    return make_request_id(3, next(seq))
+
+
+def fill(blocks, request_id):
+    for j, b in enumerate(blocks):
+        fill_pattern(pool.block_view(b), request_id, 0, j)
+
+
+def verify(blocks, request_id, slice_=None) -> bool:
+    expected = torch.empty(LAYOUT.block_nbytes, dtype=torch.uint8)
+    for j, b in enumerate(blocks):
+        fill_pattern(expected, request_id, 0, j)
+        if not torch.equal(pool.block_view(b), expected):
+            return False
+    return True
+
+
+def outcome(handle, timeout=5.0):
+    return handle.outcome.result(timeout)
+
+
+def check(name: str, **checks: bool) -> None:
+    results.setdefault(name, {}).update({k: bool(v) for k, v in checks.items()})
+
+
+def recv(source: int, tag: int, timeout_s: float = 10.0):
+    """A bounded MPI receive: a peer whose scenario failed must not hang this one."""
+    request = comm.irecv(source=source, tag=tag)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, value = request.test()
+        if done:
+            return value
+        time.sleep(0.001)
+    request.Cancel()
+    raise TimeoutError(f"no message from rank {source} tag {tag}")
+
+
+def scenario(fn):
+    comm.Barrier()
+    r = rid()
+    try:
+        fn(r)
+    except Exception as exc:  # a scenario that raises fails its checks, not the whole world
+        check(fn.__name__, **{f"raised_{type(exc).__name__}_on_rank{rank}": False})
+    comm.Barrier()
+    return fn
+
+
+@scenario
+def happy(r):
+    if rank == RX:
+        h = rt.receiver.receive(r, 4, (W0,), aux=True)
+        landed = h.landed.wait(5)
+        ok = verify(h.blocks, r)
+        aux = rt.receiver.read_aux(h)[:8] == r.to_bytes(8, "little")
+        rt.receiver.release(r)
+        check("happy", landed=landed, data_verified=ok, aux_verified=aux, retired=h.retired.wait(5),
+              completed=outcome(h) is Outcome.COMPLETED)
+    elif rank == W0:
+        blocks = (10, 11, 12, 13)
+        fill(blocks, r)
+        hs = rt.sender.send(r, blocks, aux=r.to_bytes(8, "little"))
+        check("happy", sender_released=hs.released.wait(5), sender_completed=outcome(hs) is Outcome.COMPLETED)
+
+
+@scenario
+def cancel_before_publication(r):
+    if rank == RX:
+        rt.receiver.cancel(r)  # the client aborted before the decode side dispatched
+        sent_before = rt.engine.statistics()["counters"].get("control_sent", 0)
+        h = rt.receiver.receive(r, 2, (W0,))
+        retired = h.retired.wait(5)
+        sent_after = rt.engine.statistics()["counters"].get("control_sent", 0)
+        check("cancel_before_publication", born_cancelled=outcome(h) is Outcome.CANCELLED, retired=retired,
+              nothing_published=sent_after == sent_before)
+    elif rank == W0:
+        rt.sender.cancel(r)
+        written = rt.engine.statistics()["counters"].get("bytes_written", 0)
+        hs = rt.sender.send(r, (1, 2))
+        check("cancel_before_publication", sender_born_cancelled=outcome(hs) is Outcome.CANCELLED,
+              sender_released=hs.released.wait(5),
+              nothing_written=rt.engine.statistics()["counters"].get("bytes_written", 0) == written)
+
+
+@scenario
+def cancel_mid_transfer(r):
+    if rank == W0:
+        rt.engine.inject_fault("slow-writer:nth=1:ms=400")  # the next WRITE reports DONE only after 400 ms
+        hs = rt.sender.send(r, (20, 21, 22))
+        deadline = time.monotonic() + 5
+        while rt.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        comm.send("posted", dest=RX, tag=11)
+        check("cancel_mid_transfer", sender_cancelled=outcome(hs) is Outcome.CANCELLED,
+              sender_released_after_done=hs.released.wait(5))
+        rt.engine.inject_fault("")
+    elif rank == RX:
+        h = rt.receiver.receive(r, 3, (W0,))
+        recv(W0, 11)
+        t0 = time.monotonic_ns()
+        rt.receiver.cancel(r)
+        time.sleep(0.15)
+        held_while_writing = not h.retired.is_set() and rt.engine.statistics()["pool"]["free"] <= 64 - 3
+        retired = h.retired.wait(5)
+        check("cancel_mid_transfer", held_while_write_in_flight=held_while_writing, retired_after_quiesce=retired,
+              waited_for_the_write=(h.retired_ns - t0) >= 200_000_000, outcome_cancelled=outcome(h) is Outcome.CANCELLED)
+
+
+@scenario
+def cancel_before_sender_session(r):
+    if rank == RX:
+        h = rt.receiver.receive(r, 2, (W0,))
+        rt.receiver.cancel(r)
+        retired = h.retired.wait(5)  # the writer has no session: it acknowledges at once
+        check("cancel_before_sender_session", retired=retired, cancelled=outcome(h) is Outcome.CANCELLED)
+        comm.send("go", dest=W0, tag=12)
+    elif rank == W0:
+        recv(RX, 12)
+        written = rt.engine.statistics()["counters"].get("bytes_written", 0)
+        hs = rt.sender.send(r, (30, 31))  # the late session is born cancelled by the fence
+        check("cancel_before_sender_session", late_session_born_cancelled=outcome(hs) is Outcome.CANCELLED,
+              released=hs.released.wait(5),
+              nothing_written=rt.engine.statistics()["counters"].get("bytes_written", 0) == written)
+
+
+@scenario
+def fan_in_one_writer_cancelled(r):
+    if rank == RX:
+        h = rt.receiver.receive(r, 4, (W0, W1), num_slices=2)
+        retired = h.retired.wait(5)
+        check("fan_in_one_writer_cancelled", failed=outcome(h) is Outcome.FAILED, retired=retired)
+    else:
+        blocks = (40, 41, 42, 43)
+        token = WriteTracker("cpu").pending() if rank == W1 else None
+        hs = rt.sender.send(r, blocks, ready=token)
+        if rank == W1:
+            time.sleep(0.05)
+            rt.sender.cancel(r)  # writer 1 aborts mid-way: its write was never posted
+            check("fan_in_one_writer_cancelled", writer1_cancelled=outcome(hs) is Outcome.CANCELLED)
+        check("fan_in_one_writer_cancelled", **{f"writer{rank}_released": hs.released.wait(5)})
+
+
+@scenario
+def broadcast_publication(r):
+    if rank == RX:
+        h = rt.receiver.receive(r, 2, (W0, W1), num_slices=1)  # published to 2, eligible 1
+        landed = h.landed.wait(5)
+        ok = verify(h.blocks, r)
+        rt.receiver.release(r)
+        retired = h.retired.wait(5)  # needs writer 1's SESSION_QUIESCED too
+        check("broadcast_publication", landed=landed, data_verified=ok, retired=retired,
+              completed=outcome(h) is Outcome.COMPLETED)
+        comm.send("done", dest=W1, tag=13)
+    elif rank == W0:
+        blocks = (50, 51)
+        fill(blocks, r)
+        hs = rt.sender.send(r, blocks)
+        check("broadcast_publication", selected_writer_completed=outcome(hs) is Outcome.COMPLETED)
+    else:
+        recv(RX, 13)
+        hs = rt.sender.send(r, (52, 53))  # the non-selected candidate acknowledged: it is fenced now
+        check("broadcast_publication", candidate_fenced=outcome(hs) is Outcome.CANCELLED)
+
+
+@scenario
+def context_first(r):
+    if rank == W0:
+        blocks = (60, 61, 62)
+        fill(blocks, r)
+        hs = rt.sender.send(r, blocks, num_pieces=3)  # the session exists before any REQUEST_DATA
+        comm.send("prefilled", dest=RX, tag=14)
+        check("context_first", sender_completed=outcome(hs) is Outcome.COMPLETED)
+    elif rank == RX:
+        recv(W0, 14)
+        h = rt.receiver.receive(r, 3, (W0,))
+        landed = h.landed.wait(5)
+        ok = verify(h.blocks, r)
+        rt.receiver.release(r)
+        check("context_first", landed=landed, data_verified=ok, retired=h.retired.wait(5))
+
+
+@scenario
+def hostile_frames(r):
+    if rank == W1:  # an insider or a stranger sends garbage, forged, oversized, replayed, misaddressed frames
+        agent = rt.engine.peers[RX].agent_name
+        key = rt.engine.key
+        valid = codec.encode(Envelope(W1, RX, 0, KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)), key)
+        frames = [
+            b"\x00garbage",
+            codec.encode(Envelope(W1, RX, 99, KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)), b"k" * 32),
+            b"x" * (2 << 20),
+            valid,  # seq 0 of our stream was used long ago: a replay
+            codec.encode(Envelope(W1, 1, 5, KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)), key),
+            seal(b"\x91\x01", key),
+        ]
+        try:  # the raw agent: kvown's own endpoint refuses to send an oversized frame
+            rt.engine.call(lambda e: [e.endpoint._agent.send_notif(agent, f) for f in frames])
+        finally:
+            comm.send("sent", dest=RX, tag=15)
+    elif rank == RX:
+        before = rt.engine.statistics()
+        recv(W1, 15)
+        deadline = time.monotonic() + 5
+        after = before
+        while time.monotonic() < deadline:
+            after = rt.engine.statistics()
+            c = after["counters"]
+            if c.get("rejected_frames", 0) - before["counters"].get("rejected_frames", 0) >= 5 and c.get("duplicate_frames", 0) >= 1:
+                break
+            time.sleep(0.01)
+        rejected = after["counters"].get("rejected_frames", 0) - before["counters"].get("rejected_frames", 0)
+        check("hostile_frames", rejected_and_counted=rejected >= 5,
+              replay_dropped=after["counters"].get("duplicate_frames", 0) >= 1,
+              no_session_created=after["receiver"]["sessions"] == before["receiver"]["sessions"],
+              not_quarantined=after["receiver"]["quarantined"] == "",
+              pool_unchanged=after["pool"] == before["pool"])
+
+
+@scenario
+def still_works_afterwards(r):
+    if rank == RX:
+        h = rt.receiver.receive(r, 2, (W1,))
+        landed = h.landed.wait(5)
+        ok = verify(h.blocks, r)
+        rt.receiver.release(r)
+        check("still_works_afterwards", landed=landed, data_verified=ok, retired=h.retired.wait(5))
+    elif rank == W1:
+        blocks = (5, 6)
+        fill(blocks, r)
+        rt.sender.send(r, blocks).released.wait(5)
+
+
+gathered = comm.gather(results, root=0)
+if rank == 0:
+    merged: dict[str, dict[str, bool]] = {}
+    for part in gathered:
+        for name, checks in part.items():
+            merged.setdefault(name, {}).update(checks)
+    with open(sys.argv[1], "w") as f:
+        json.dump(merged, f, indent=1)
+comm.Barrier()
+rt.close()
