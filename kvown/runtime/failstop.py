@@ -6,8 +6,9 @@ communicator, then a same-host SIGKILL sweep, then SIGKILL of self), and the lau
 Rules:
   1. The fatal path runs on a kvown watchdog thread, never on the engine thread, and never blocks
      on anything it does not bound: diagnostics (flight recorder dump + one stderr line) run on a
-     daemon thread joined for at most ``dump_join_s`` (0.5 s), then the kill is dispatched whatever
-     the diagnostics did (finished, still blocked, failed to start).
+     daemon thread, started when the executor is built (starting a thread is itself an unbounded
+     wait), and waited for at most ``dump_join_s`` (0.5 s); then the kill is dispatched whatever the
+     diagnostics did (finished, still blocked, never started).
   2. The kill path never takes the logging lock and never flushes Python streams: the only
      diagnostic is one ``os.write`` to fd 2, and that too runs on the bounded dump thread (a full
      stderr pipe blocks ``write``).
@@ -129,7 +130,17 @@ class FailStopExecutor:
         self.dump_path: Path | None = None
         self.dump_error: BaseException | None = None
         self.kill_error: BaseException | None = None
-        self._dump_thread: threading.Thread | None = None
+        # The dump thread is started NOW, not on the fatal path: ``Thread.start`` waits, without a
+        # bound, for the new thread to be scheduled, and on a starved machine that took 14 s once.
+        self._go = threading.Event()
+        self._dumped = threading.Event()
+        self._dump_thread: threading.Thread | None = threading.Thread(
+            target=self._dump_when_told, name="kvown-failstop-dump", daemon=True
+        )
+        try:
+            self._dump_thread.start()
+        except RuntimeError:  # cannot start threads: the fatal path will skip diagnostics and kill
+            self._dump_thread = None
 
     @property
     def fired(self) -> bool:
@@ -159,10 +170,19 @@ class FailStopExecutor:
             self.kill_error = exc
 
     def _run_bounded_diagnostics(self, action: FailStop) -> None:
-        thread = threading.Thread(target=self._diagnose, args=(action,), name="kvown-failstop-dump", daemon=True)
-        self._dump_thread = thread  # kept so a blocked dump thread stays referenced
-        thread.start()
-        thread.join(timeout=self._dump_join_s)
+        if self._dump_thread is None:
+            return
+        self._go.set()
+        self._dumped.wait(timeout=self._dump_join_s)
+
+    def _dump_when_told(self) -> None:
+        while not self._go.wait(timeout=3600.0):  # parked until the fatal path (daemon: never joined)
+            pass
+        try:
+            if self.action is not None:
+                self._diagnose(self.action)
+        finally:
+            self._dumped.set()
 
     def _diagnose(self, action: FailStop) -> None:
         rank = self.world.rank if self.world is not None else (self.recorder.rank if self.recorder else -1)
@@ -205,18 +225,26 @@ def install_sigterm_dump(
     After error: the dump is bounded by ``join_s``; the process always SIGKILLs itself afterwards.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    go, done = threading.Event(), threading.Event()
+
+    def dump_when_told() -> None:
+        while not go.wait(timeout=3600.0):  # pre-started: no thread start after SIGTERM arrives
+            pass
+        try:
+            recorder.dump(dump_dir, "terminated")
+        finally:
+            done.set()
 
     def wait_for_term() -> None:
         signal.sigwait({signal.SIGTERM})
-        recorder.record("sigterm", None)
-        dumper = threading.Thread(
-            target=recorder.dump, args=(dump_dir, "terminated"), name="kvown-sigterm-dump", daemon=True
-        )
         try:
-            dumper.start()
-            dumper.join(timeout=join_s)
+            recorder.record("sigterm", None)
+            go.set()
+            done.wait(timeout=join_s)
         finally:
             os_kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=dump_when_told, name="kvown-sigterm-dump", daemon=True).start()
 
     thread = threading.Thread(target=wait_for_term, name="kvown-sigterm", daemon=True)
     thread.start()

@@ -141,11 +141,27 @@ def test_dump_thread_that_cannot_start_still_kills(monkeypatch) -> None:
         raise RuntimeError("can't start new thread")
 
     kill = KillLog()
-    ex = FailStopExecutor(None, FlightRecorder(rank=0), kill=kill)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    ex = FailStopExecutor(None, FlightRecorder(rank=0), kill=kill)  # constructing does not raise
+    monkeypatch.undo()
+    t0 = time.monotonic()
+    ex.execute(DEADLINE)
+    assert len(kill.calls) == 1 and kill.calls[0][1] is ExitCode.DEADLINE
+    assert kill.calls[0][2] - t0 < 0.2 and ex.dump_path is None  # no diagnostics, no waiting for them
+
+
+@pytest.mark.timeout(10)
+def test_fatal_path_starts_no_thread(tmp_path, devnull_fd, monkeypatch) -> None:
+    """Thread.start waits unboundedly for the new thread to run; the fatal path must not need it."""
+    kill = KillLog()
+    ex = FailStopExecutor(None, FlightRecorder(rank=0), kill=kill, dump_dir=tmp_path, diag_fd=devnull_fd)
+
+    def refuse(self: threading.Thread) -> None:
+        raise AssertionError("thread started on the fatal path")
+
     monkeypatch.setattr(threading.Thread, "start", refuse)
     ex.execute(DEADLINE)
-    monkeypatch.undo()
-    assert len(kill.calls) == 1 and kill.calls[0][1] is ExitCode.DEADLINE
+    assert len(kill.calls) == 1 and ex.dump_path is not None and ex.dump_path.exists()
 
 
 @pytest.mark.timeout(10)

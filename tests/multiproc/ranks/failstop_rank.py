@@ -85,12 +85,12 @@ def write_info(rank: int, **extra: object) -> None:
 class StandInCore:
     """Stand-in for the protocol core: one claim that never settles. Pure, like the real one."""
 
-    def __init__(self, request_id: int, deadline_ns: int) -> None:
+    def __init__(self, request_id: int) -> None:
         self.request_id = request_id
-        self.deadline_ns = deadline_ns
+        self.deadline_ns: int | None = None  # set (under the lock) once the claim is exposed
 
     def check_fatal(self, now_ns: int) -> FailStop | None:
-        if now_ns >= self.deadline_ns:
+        if self.deadline_ns is not None and now_ns >= self.deadline_ns:
             return FailStop(FatalReason.DEADLINE, self.request_id, "claim never settled")
         return None
 
@@ -113,10 +113,20 @@ def block_logging_forever() -> None:
     recorder.record("logger_wedged", None)
 
 
-def hold_claim(world, deadline_ns: int) -> None:  # type: ignore[no-untyped-def]
+def start_runtime(world):  # type: ignore[no-untyped-def]
+    """As a real rank does at startup: executor and watchdog exist before any claim does."""
     lock = threading.Lock()
-    executor = FailStopExecutor(world, recorder, dump_dir=out)
-    RetirementWatchdog(StandInCore(REQUEST_ID, deadline_ns), lock, executor).start()
+    core = StandInCore(REQUEST_ID)
+    watchdog = RetirementWatchdog(core, lock, FailStopExecutor(world, recorder, dump_dir=out))
+    watchdog.start()
+    return core, lock, watchdog
+
+
+def hold_claim(runtime, deadline_ns: int) -> None:  # type: ignore[no-untyped-def]
+    core, lock, watchdog = runtime
+    with lock:
+        core.deadline_ns = deadline_ns
+    watchdog.wake()
     if args.block_logger:
         block_logging_forever()
     end = time.monotonic() + MAX_LIFETIME_S
@@ -127,11 +137,12 @@ def hold_claim(world, deadline_ns: int) -> None:  # type: ignore[no-untyped-def]
 
 def claim(world) -> None:  # type: ignore[no-untyped-def]
     comm = world.comm
+    runtime = start_runtime(world) if world.rank == 0 else None
     deadline_ns = comm.bcast(time.monotonic_ns() + int(args.deadline_s * 1e9) if world.rank == 0 else None)
     recorder.record("publish", REQUEST_ID, deadline_ns=deadline_ns, receiver_rank=0)
     write_info(MPI.COMM_WORLD.Get_rank(), deadline_ns=deadline_ns)
-    if world.rank == 0:
-        hold_claim(world, deadline_ns)
+    if runtime is not None:
+        hold_claim(runtime, deadline_ns)
     comm.Barrier()  # never completes: rank 0 never joins
     sys.exit(4)
 
