@@ -1,0 +1,427 @@
+"""Real SenderCores and a real ReceiverCore joined in memory (h11's ConnectionPair idea).
+
+Control messages go through real Outbound/Inbound streams in FIFO order when ``flush()`` is called;
+writes are completed only when a test says so, so every interleaving below is explicit. The scenarios
+follow trtllm.md section 15 (session ack, deadline, ownership regressions, fences) in our API.
+"""
+
+from __future__ import annotations
+
+import pytest
+from corekit import G, RX, T, receiver, sender
+
+from kvown.core.actions import (
+    AdmissionRefused,
+    Conclude,
+    Deliver,
+    FailStop,
+    Outcome,
+    PostWrite,
+    ReleaseSource,
+    RetireBlocks,
+    SendControl,
+)
+from kvown.core.errors import PeerProtocolError
+from kvown.core.events import (
+    CancelRequested,
+    LocalCompletionDone,
+    LocalCompletionPending,
+    MessageReceived,
+    OpenReceive,
+    OpenSend,
+    PublicationSent,
+    ReleaseRequested,
+    SourceReady,
+    Tick,
+    WriteCompleted,
+    WriteFailed,
+    WriteSubmitted,
+)
+from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
+from kvown.core.streams import InboundStreams, OutboundStreams
+
+S, F, D, Q = ResultStatus.SUCCESS, ResultStatus.FAILED, ResultStatus.IN_DOUBT, ResultStatus.FAILED_QUIESCED
+
+
+class Pair:
+    """One receiver (rank RX) and writers 1..n, joined by an in-memory, in-order control link."""
+
+    def __init__(self, writers=(1,), timeout: int = T, grace: int = G) -> None:
+        self.rx = receiver(timeout=timeout, grace=grace)
+        self.tx = {w: sender(w, timeout=timeout, grace=grace) for w in writers}
+        self.cores = {RX: self.rx, **self.tx}
+        self.out = {r: OutboundStreams(r) for r in self.cores}
+        self.inb = {r: InboundStreams(r) for r in self.cores}
+        self.wire: list = []  # envelopes not yet delivered, FIFO
+        self.seen: dict[int, list] = {r: [] for r in self.cores}  # messages each rank received
+        self.actions: dict[int, list] = {r: [] for r in self.cores}
+        self.posts: dict[int, list[PostWrite]] = {w: [] for w in writers}
+        self.now = 0
+
+    def do(self, rank: int, event, at: int | None = None) -> list:
+        self.now = self.now if at is None else at
+        acts = self.cores[rank].handle(event, self.now)
+        self.actions[rank] += acts
+        for a in acts:
+            if isinstance(a, SendControl):
+                self.wire.append(self.out[rank].stamp(a.dst_rank, a.message))
+            elif isinstance(a, PostWrite):
+                self.posts[rank].append(a)
+        return acts
+
+    def flush(self, only_to: int | None = None) -> None:
+        for _ in range(1000):  # bounded: a protocol exchange is a handful of messages
+            pending = [e for e in self.wire if only_to is None or e.dst_rank == only_to]
+            if not pending:
+                return
+            env = pending[0]
+            self.wire.remove(env)
+            for e in self.inb[env.dst_rank].deliver(env):
+                self.seen[e.dst_rank].append(e.message)
+                self.do(e.dst_rank, MessageReceived(e))
+        raise AssertionError("control exchange did not converge")
+
+    def open(self, rid=1, blocks=(10, 11), writers=None, slices=1, aux=-1, failed=frozenset()):
+        writers = tuple(self.tx) if writers is None else writers
+        acts = self.do(RX, OpenReceive(rid, blocks, writers, slices, aux))
+        self.do(RX, PublicationSent(rid, frozenset(failed)))
+        return acts
+
+    def send(self, w: int, rid=1, nblocks=2, pieces=1, ready=True):
+        self.do(w, OpenSend(rid, tuple(range(nblocks)), pieces))
+        if ready:
+            for p in range(pieces):
+                self.do(w, SourceReady(rid, p))
+
+    def submit_all(self, w: int) -> None:
+        for p in self.posts[w]:
+            if self.tx[w]._ops.get(p.op_id) and self.tx[w]._ops[p.op_id][2].state.value == "submitting":
+                self.do(w, WriteSubmitted(p.op_id))
+
+    def complete_all(self, w: int) -> None:
+        self.submit_all(w)
+        for p in self.posts[w]:
+            entry = self.tx[w]._ops.get(p.op_id)
+            if entry and entry[2].state.value in ("submitted", "in_doubt"):
+                self.do(w, WriteCompleted(p.op_id))
+
+    def retired(self, rid=1) -> bool:
+        return RetireBlocks(rid) in self.actions[RX]
+
+    def from_writer(self, w: int) -> list:
+        """What the receiver got from writer w: result statuses and 'ACK'."""
+        out = []
+        for m in self.seen[RX]:
+            if isinstance(m, (KvResult, AuxResult)) and m.writer_rank == w:
+                out.append(m.status)
+            elif isinstance(m, SessionQuiesced) and m.writer_rank == w:
+                out.append("ACK")
+        return out
+
+
+T10 = pytest.mark.timeout(10)
+
+
+@T10
+def test_happy_path_gen_first_with_aux() -> None:
+    p = Pair()
+    p.open(aux=3)
+    p.flush()
+    p.send(1, pieces=2)
+    assert [(a.kind.value, a.piece) for a in p.posts[1]] == [("kv", 0), ("kv", 1), ("aux", 2)]
+    p.complete_all(1)
+    p.flush()
+    assert p.from_writer(1) == [S, S, S]
+    assert Deliver(1) in p.actions[RX] and not p.retired()
+    p.do(RX, ReleaseRequested(1))
+    assert p.retired() and ReleaseSource(1) in p.actions[1]
+    assert not p.rx.sessions and not p.tx[1].sessions
+
+
+@T10
+def test_context_first_attaches_when_the_publication_arrives() -> None:
+    p = Pair()
+    p.send(1)  # nothing to post yet: no destination
+    assert p.posts[1] == []
+    p.open()
+    p.flush()
+    assert len(p.posts[1]) == 1
+    p.complete_all(1)
+    p.flush()
+    p.do(RX, ReleaseRequested(1))
+    assert p.retired()
+
+
+@T10
+def test_cancel_before_publication_publishes_nothing_and_retires_at_once() -> None:
+    p = Pair()
+    p.do(RX, CancelRequested(1))
+    acts = p.do(RX, OpenReceive(1, (1,), (1,)))
+    assert acts == [Conclude(1, Outcome.CANCELLED, "fenced before publication"), RetireBlocks(1)]
+    assert p.wire == []
+
+
+@T10
+def test_cancel_mid_transfer_holds_until_the_write_is_done() -> None:
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1)
+    p.submit_all(1)
+    p.do(RX, CancelRequested(1))
+    p.flush()
+    assert not p.retired() and p.from_writer(1) == []  # no ack while the write is in flight
+    assert p.tx[1].may_write(1, RX)
+    p.do(1, WriteCompleted(p.posts[1][0].op_id))
+    p.flush()
+    assert p.from_writer(1) == [S, "ACK"] and p.retired()
+    assert p.rx.fence.is_fenced(1) and p.tx[1].fence.is_fenced(1)
+
+
+@T10
+def test_cancel_before_the_sender_has_a_session_acks_at_once_and_fences() -> None:
+    p = Pair()
+    p.open()
+    p.flush()  # REQUEST_DATA is saved at the writer
+    assert p.tx[1].may_write(1, RX)
+    p.do(RX, CancelRequested(1))
+    p.flush()
+    assert p.from_writer(1) == ["ACK"] and p.retired() and not p.tx[1].may_write(1, RX)
+    acts = p.do(1, OpenSend(1, (0, 1)))  # the late session is born cancelled
+    assert acts == [Conclude(1, Outcome.CANCELLED, "fenced before the session opened"), ReleaseSource(1)]
+    assert p.do(1, SourceReady(1, 0)) == [] and p.posts[1] == []
+
+
+@T10
+def test_fan_in_with_one_writer_cancelled_midway_waits_for_the_sibling() -> None:
+    p = Pair(writers=(1, 2))
+    p.open(slices=2)
+    p.flush()
+    p.send(1)
+    p.send(2, ready=False)
+    p.submit_all(1)
+    p.do(2, CancelRequested(1))  # writer 2's server cancels: its op was never posted
+    p.flush()
+    assert p.from_writer(2) == [F]
+    assert p.rx.sessions[1].outcome is Outcome.FAILED and not p.retired()  # writer 1 still writing
+    p.complete_all(1)
+    p.flush()
+    assert p.from_writer(1) == [S, "ACK"] and p.retired()
+
+
+@T10
+def test_broadcast_non_selected_candidates_must_ack() -> None:
+    p = Pair(writers=(1, 2, 3, 4))
+    p.open(slices=2)  # writer i owns slice i % 2; the group (3, 4) delivers
+    p.flush()
+    for w in (3, 4):
+        p.send(w)
+        p.complete_all(w)
+    p.flush()
+    assert Deliver(1) in p.actions[RX]
+    assert p.from_writer(1) == ["ACK"] and p.from_writer(2) == ["ACK"]
+    p.do(RX, ReleaseRequested(1))
+    assert p.retired()
+
+
+@T10
+def test_broadcast_candidate_acks_do_not_complete_and_missing_ack_is_fatal() -> None:
+    p = Pair(writers=(1, 2, 3, 4))
+    p.open(slices=2)
+    p.flush(only_to=1)
+    p.flush(only_to=2)
+    p.flush(only_to=3)  # writer 4 never gets its REQUEST_DATA (its link is stuck)
+    p.send(3)
+    p.complete_all(3)
+    p.flush(only_to=RX)
+    assert Deliver(1) not in p.actions[RX]  # one slice of two: not complete
+    p.do(RX, Tick(), at=T)
+    p.flush(only_to=RX)
+    p.flush(only_to=1)
+    p.flush(only_to=2)
+    p.flush(only_to=3)
+    p.flush(only_to=RX)
+    assert not p.retired()
+    out = p.do(RX, Tick(), at=T + G)
+    assert isinstance(out[0], FailStop) and "writer 4" in out[0].detail
+    p.flush()  # the late ack cannot reverse the fatal
+    assert not p.retired() and p.rx.fatal is out[0]
+
+
+@T10
+def test_in_doubt_then_failed_quiesced_then_ack_in_that_order() -> None:
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1)
+    p.submit_all(1)
+    op = p.posts[1][0].op_id
+    p.do(1, WriteFailed(op, "nic"))
+    p.flush()
+    assert p.rx.quarantined and p.rx.sessions[1].outcome is Outcome.FAILED and not p.retired()
+    assert ReleaseSource(1) not in p.actions[1]  # the in-doubt handle keeps the source rooted
+    p.do(1, WriteCompleted(op))  # late settlement on the same handle
+    p.flush()
+    assert p.from_writer(1) == [D, Q, "ACK"] and p.retired()
+    assert ReleaseSource(1) in p.actions[1]
+    refused = p.do(RX, OpenReceive(2, (1,), (1,)))
+    assert len(refused) == 1 and isinstance(refused[0], AdmissionRefused)
+
+
+@T10
+def test_ack_cannot_bypass_in_doubt_or_pending_local_completion() -> None:
+    p = Pair()
+    p.open()
+    p.do(RX, LocalCompletionPending(1, 77))
+    p.flush()
+    p.send(1)
+    p.submit_all(1)
+    p.do(1, WriteFailed(p.posts[1][0].op_id, "x"))
+    p.flush()
+    p.wire.append(p.out[1].stamp(RX, SessionQuiesced(1, 1)))  # an ack while the piece is in doubt
+    p.flush()
+    assert p.rx.sessions[1].writers[1].acked and not p.retired()
+    p.do(1, WriteCompleted(p.posts[1][0].op_id))
+    p.flush()
+    assert not p.retired()  # the local copy is still pending
+    p.do(RX, LocalCompletionDone(1, 77))
+    assert p.retired()
+
+
+@T10
+def test_foreign_ack_raises_and_quarantines_unknown_and_unsolicited_acks_are_ignored() -> None:
+    p = Pair(writers=(1, 2))
+    p.open(writers=(1,))
+    p.flush()
+    with pytest.raises(PeerProtocolError) as info:
+        p.do(RX, MessageReceived(p.out[2].stamp(RX, SessionQuiesced(2, 1))))
+    assert info.value.field == "writer_rank" and p.rx.quarantined
+    p.do(RX, MessageReceived(p.out[1].stamp(RX, SessionQuiesced(1, 99))))  # unknown request
+    p.do(RX, MessageReceived(p.out[1].stamp(RX, SessionQuiesced(1, 1))))  # never asked
+    assert p.rx.counters == {"stale_acks": 1, "unsolicited_acks": 1}
+    assert not p.rx.sessions[1].writers[1].acked
+
+
+@T10
+def test_partial_publication_narrows_the_cohort() -> None:
+    p = Pair(writers=(7, 8))
+    p.open(writers=(7, 8), failed={8})
+    p.wire = [e for e in p.wire if e.dst_rank != 8]  # the driver failed to queue it
+    assert p.rx.sessions[1].outcome is Outcome.FAILED
+    p.flush()
+    assert p.from_writer(7) == ["ACK"] and p.retired()
+
+
+@T10
+def test_cancels_go_once_and_after_the_request_data() -> None:
+    p = Pair()
+    p.do(RX, OpenReceive(1, (1,), (1,)))
+    p.do(RX, CancelRequested(1))  # still publishing: the cancel must not overtake REQUEST_DATA
+    p.do(RX, CancelRequested(1))
+    p.do(RX, PublicationSent(1))
+    p.do(RX, CancelRequested(1))
+    kinds = [type(e.message).__name__ for e in p.wire]
+    assert kinds == ["RequestData", "CancelSession"]
+    assert [e.seq for e in p.wire] == [0, 1]
+
+
+@T10
+def test_failed_writer_cannot_authorise_reuse_while_sibling_is_active() -> None:
+    p = Pair(writers=(1, 2))
+    p.open(slices=2)
+    p.flush()
+    p.send(1)
+    p.send(2)
+    p.submit_all(1)
+    p.submit_all(2)
+    p.do(1, WriteCompleted(p.posts[1][0].op_id))
+    p.flush()
+    assert p.from_writer(1) == [S]
+    p.do(RX, CancelRequested(1))
+    p.do(RX, CancelRequested(1))  # repeated cancel
+    p.flush()
+    assert not p.retired()  # writer 2 is still writing
+    p.do(2, WriteCompleted(p.posts[2][0].op_id))
+    p.flush()
+    assert p.actions[RX].count(RetireBlocks(1)) == 1
+
+
+@T10
+def test_non_terminal_success_does_not_authorise_reuse() -> None:
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1, pieces=2, ready=False)
+    p.do(1, SourceReady(1, 0))
+    p.complete_all(1)
+    p.flush()
+    assert p.from_writer(1) == [S] and Deliver(1) not in p.actions[RX]
+    p.do(1, SourceReady(1, 1))
+    p.complete_all(1)
+    p.flush()
+    assert p.from_writer(1) == [S, S] and Deliver(1) in p.actions[RX]
+
+
+@T10
+def test_second_writer_for_a_claimed_slice_disputes_and_never_retires() -> None:
+    p = Pair(writers=(1, 2))
+    p.open()  # broadcast: 2 candidates for 1 slice
+    p.flush()
+    for w in (1, 2):
+        p.send(w)
+        p.complete_all(w)
+    p.flush()
+    assert p.rx.sessions[1].disputed and p.rx.quarantined
+    p.do(RX, ReleaseRequested(1))
+    assert not p.retired()
+    out = p.do(RX, Tick(), at=p.rx.next_deadline_ns())
+    assert isinstance(out[-1], FailStop) and "disputed" in out[-1].detail
+
+
+@T10
+def test_late_request_data_to_a_fenced_sender_settles_kv_and_aux_at_once() -> None:
+    p = Pair()
+    p.do(1, CancelRequested(1))
+    p.open(aux=0)
+    p.flush()
+    assert p.from_writer(1) == [F]  # one FAILED with is_last ends the whole stream
+    assert p.rx.sessions == {} and p.retired()
+
+
+@T10
+def test_session_ack_waits_for_admitted_and_submitting_pieces() -> None:
+    p = Pair()
+    p.open(aux=0)
+    p.flush()
+    p.send(1, pieces=2, ready=False)
+    p.do(1, SourceReady(1, 0))  # kv0 SUBMITTING; kv1, aux ADMITTED
+    p.do(RX, CancelRequested(1))
+    p.flush()
+    assert "ACK" not in p.from_writer(1)  # kv0 is still SUBMITTING
+    p.complete_all(1)
+    p.flush()
+    assert p.from_writer(1) == [S, F, F, "ACK"] and p.retired()
+
+
+@T10
+def test_repeated_done_is_idempotent_and_poisoned_sender_posts_nothing() -> None:
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1, pieces=2, ready=False)
+    p.do(1, SourceReady(1, 0))
+    p.complete_all(1)
+    before = list(p.actions[1])
+    assert p.do(1, WriteCompleted(p.posts[1][0].op_id)) == []  # BACKEND_DONE + DONE: idempotent
+    assert p.actions[1] == before
+    p2 = Pair()
+    p2.open(rid=5)
+    p2.flush()
+    p2.send(1, rid=5)
+    p2.submit_all(1)
+    p2.do(1, WriteFailed(p2.posts[1][0].op_id, "x"))
+    p2.do(RX, OpenReceive(6, (1, 2), (1,)))
+    p2.do(RX, PublicationSent(6))
+    p2.flush()
+    p2.send(1, rid=6)
+    assert [a.request_id for a in p2.posts[1]] == [5]  # nothing posted after the poison
