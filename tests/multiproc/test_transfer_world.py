@@ -7,10 +7,11 @@ checks one scenario's recorded checks. A scenario that did not run, or raised, f
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from conftest import WORLDS, mpirun, run
+from conftest import mpirun, run
 
 EXPECTED = {
     "happy": {"landed", "data_verified", "aux_verified", "retired", "completed", "sender_released", "sender_completed"},
@@ -33,7 +34,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def scenario_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("world") / "scenarios.json"
-    proc = run(mpirun(3) + [__import__("sys").executable, str(WORLDS / "transfer_scenarios.py"), str(out)], 240)
+    proc = run(mpirun(3) + [sys.executable, "-m", "kvown.qualify_world", str(out)], 240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -47,3 +48,15 @@ def test_scenario(scenario_results, name):
     assert not failed, f"{name}: failed checks {failed}"
     missing = EXPECTED[name] - checks.keys()
     assert not missing, f"{name}: checks never recorded {sorted(missing)}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["nvfp4", "mla"])
+def test_qualify_passes_for_other_layouts(tmp_path, layout):
+    out = tmp_path / "checks.json"
+    proc = run([sys.executable, "-m", "kvown.qualify", "--layout", layout, "--json", str(out)], 280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = json.loads(out.read_text())
+    assert set(checks) == set(EXPECTED)
+    assert all(all(v.values()) for v in checks.values())
