@@ -115,13 +115,13 @@ def _make_local(rank: int, layout: KVLayout, config: TransferConfig, device: str
     return pool, aux, endpoint, info
 
 
-def _start(rank, peers, endpoint, pool, aux, key, config, roles, world, layout) -> RankRuntime:
+def _start(rank, peers, endpoint, pool, aux, key, config, roles, world, layout, kill=None) -> RankRuntime:
     for peer in peers.values():
         check_peer(rank, layout, peer)
     for peer in peers.values():
         endpoint.add_peer(peer.agent_metadata)
     recorder = FlightRecorder(rank, capacity=config.flight_capacity)
-    executor = FailStopExecutor(world, recorder)
+    executor = FailStopExecutor(world, recorder, kill=kill)
 
     def fail_stop(action: FailStop) -> None:  # never on the engine thread (DESIGN: watchdog executes)
         threading.Thread(target=executor.execute, args=(action,), name="kvown-failstop", daemon=True).start()

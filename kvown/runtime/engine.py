@@ -234,7 +234,17 @@ class Engine:
                         "next_deadline_ns": deadline,
                         "counters": dict(core.counters),
                     }
+            for name, core in (("sender", self.sender), ("receiver", self.receiver)):
+                if core is not None:
+                    by_state = collections.Counter(
+                        getattr(s, "state", None).value if hasattr(s, "state") else ("open" if s.outcome is None else "draining")
+                        for s in core.sessions.values()
+                    )
+                    fatal_deadlines = [d for d in (core._fatal_deadline_ns(s) for s in core.sessions.values()) if d]
+                    out[name]["sessions_by_state"] = dict(by_state)
+                    out[name]["oldest_fail_stop_deadline_ns"] = min(fatal_deadlines) if fatal_deadlines else None
             if self.receiver is not None:
+                out["receiver"]["blocks_awaiting_proof"] = pool.held
                 out["receiver"]["quarantined"] = self.receiver.quarantined
                 out["receiver"]["acks_pending"] = {
                     rid: [w.rank for w in s.writers.values() if not w.settled]
@@ -464,6 +474,8 @@ class Engine:
                 self.stats[f"{'send' if core is self.sender else 'recv'}_{action.outcome.value}"] += 1
                 handle = (self._sends.get(action.request_id) if core is self.sender else None)
                 target = handle.handle if handle is not None else self._recvs.get(action.request_id)
+                if core is self.receiver and action.outcome is not Outcome.COMPLETED and target is not None:
+                    self.pool.hold(target.blocks)  # OWNED -> HELD: awaiting proof that writers quiesced
                 if target is not None and not target.outcome.done():
                     target.outcome.set_result(action.outcome)
             elif isinstance(action, RetireBlocks):

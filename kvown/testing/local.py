@@ -1,0 +1,50 @@
+"""Several kvown ranks in one process over real NIXL: for tests, examples and embedding projects.
+
+Owns: nothing beyond what it builds. Each rank gets its own NIXL agent, pool and engine thread, so
+the single-writer rule holds per rank exactly as in a real world; only the MPI fail-stop route is
+replaced: ``kill`` (default: record the FailStop and do nothing) receives what would have been the
+world kill, so a test can assert a fail-stop without dying.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+from kvown.cache.layout import KVLayout
+from kvown.runtime.bootstrap import RankRuntime, _make_local, _start
+from kvown.runtime.config import TransferConfig
+
+
+class KillRecorder:
+    """A fail-stop kill route that only records (world, exit code) calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, int]] = []
+
+    def __call__(self, world: object, exit_code: int) -> None:
+        self.calls.append((world, int(exit_code)))
+
+
+def local_world(
+    roles: dict[int, set[str]],
+    *,
+    layout: KVLayout,
+    config: TransferConfig | None = None,
+    kill: Callable[[object, int], None] | None = None,
+) -> dict[int, RankRuntime]:
+    """Start one engine per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``).
+
+    Called: once per test. Stop each with ``rt.close()`` (after every session retired).
+    """
+    config = config or TransferConfig()
+    key = secrets.token_bytes(32)
+    job = secrets.token_hex(4)
+    kill = kill if kill is not None else KillRecorder()
+    built = {rank: _make_local(rank, layout, config, "cpu", job) for rank in roles}
+    infos = {rank: parts[3] for rank, parts in built.items()}
+    out = {}
+    for rank, (pool, aux, endpoint, _info) in built.items():
+        peers = {r: info for r, info in infos.items() if r != rank}
+        out[rank] = _start(rank, peers, endpoint, pool, aux, key, config, roles[rank], None, layout, kill=kill)
+    return out

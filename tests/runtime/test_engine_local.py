@@ -1,0 +1,108 @@
+"""Engines in one process over real NIXL: write gating by ready tokens, statistics, fail-stop wiring."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kernels.nvfp4 import fill_pattern
+from kvown import KVLayout, Outcome, TransferConfig, WriteTracker, make_request_id
+from kvown.testing.local import KillRecorder, local_world
+
+LAYOUT = KVLayout.standard(num_layers=2, num_blocks=32, tokens_per_block=16, num_kv_heads=2, head_dim=64,
+                           dtype="bfloat16")
+
+
+@pytest.fixture
+def pair():
+    kill = KillRecorder()
+    world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT,
+                        config=TransferConfig(transfer_timeout_s=0.5, grace_s=0.5), kill=kill)
+    yield world[0], world[1], kill
+    for rt in world.values():
+        rt.watchdog.stop()
+        rt.engine.stop()
+
+
+def expected_block(rid: int, j: int) -> torch.Tensor:
+    t = torch.empty(LAYOUT.block_nbytes, dtype=torch.uint8)
+    fill_pattern(t, rid, 0, j)
+    return t
+
+
+@pytest.mark.timeout(60)
+def test_no_write_is_posted_before_the_producer_signals(pair):
+    tx, rx, _ = pair
+    rid = make_request_id(9, 1)
+    token = WriteTracker("cpu").pending()
+    h = rx.receiver.receive(rid, 2, (0,))
+    hs = tx.sender.send(rid, (3, 4), ready=token)
+    time.sleep(0.2)  # plenty of engine iterations: REQUEST_DATA arrived, the session is open
+    assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
+    assert tx.engine.call(lambda e: len(e._writes)) == 0
+    assert not h.landed.is_set()
+    for j, b in enumerate((3, 4)):  # the "KV write" happens now, then the producer signals
+        fill_pattern(tx.engine.pool.block_view(b), rid, 0, j)
+    token.signal()
+    assert h.landed.wait(5)
+    assert all(torch.equal(rx.engine.pool.block_view(b), expected_block(rid, j)) for j, b in enumerate(h.blocks))
+    rx.receiver.release(rid)
+    assert h.retired.wait(5) and hs.released.wait(5)
+    assert hs.outcome.result(1) is Outcome.COMPLETED
+
+
+@pytest.mark.timeout(60)
+def test_gating_mutant_is_caught(pair, monkeypatch):
+    """If the sender ignored the ready token, the stale bytes would land: the check above has teeth."""
+    from kvown.core import sender
+
+    monkeypatch.setattr(sender.SenderCore, "_source_ready", lambda self, s, op: True)
+    tx, rx, _ = pair
+    rid = make_request_id(9, 2)
+    token = WriteTracker("cpu").pending()
+    h = rx.receiver.receive(rid, 1, (0,))
+    tx.sender.send(rid, (7,), ready=token)
+    assert h.landed.wait(5)  # landed before the producer wrote anything
+    assert not torch.equal(rx.engine.pool.block_view(h.blocks[0]), expected_block(rid, 0))
+    token.signal()
+    rx.receiver.release(rid)
+    assert h.retired.wait(5)
+
+
+@pytest.mark.timeout(60)
+def test_statistics_show_blocks_held_awaiting_proof(pair):
+    tx, rx, _ = pair
+    rid = make_request_id(9, 3)
+    tx.engine.inject_fault("slow-writer:nth=1:ms=400")
+    h = rx.receiver.receive(rid, 3, (0,))
+    tx.sender.send(rid, (1, 2, 5))
+    deadline = time.monotonic() + 5
+    while tx.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    rx.receiver.cancel(rid)
+    time.sleep(0.05)
+    stats = rx.engine.statistics()
+    assert stats["receiver"]["sessions"] == 1
+    assert stats["receiver"]["acks_pending"] == {rid: [0]}
+    assert stats["receiver"]["blocks_awaiting_proof"] == 3
+    assert stats["receiver"]["oldest_fail_stop_deadline_ns"] is not None
+    assert h.retired.wait(5)
+    assert rx.engine.statistics()["receiver"]["blocks_awaiting_proof"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_writer_fail_stops_through_the_kill_route(pair):
+    tx, rx, kill = pair
+    rid = make_request_id(9, 4)
+    tx.engine.inject_fault("stuck-writer:nth=1")
+    h = rx.receiver.receive(rid, 1, (0,))
+    tx.sender.send(rid, (9,))
+    deadline = time.monotonic() + 5
+    while not kill.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert kill.calls and kill.calls[0][1] == 75  # ExitCode.DEADLINE
+    assert not h.retired.is_set()  # never freed
+    assert rx.engine.pool.statistics().free == LAYOUT.num_blocks - 1
+    assert rx.executor.fired or tx.executor.fired
