@@ -44,3 +44,15 @@ def test_the_checker_would_see_a_third_party_import(tmp_path: pathlib.Path) -> N
     p = tmp_path / "x.py"
     p.write_text("import msgpack\nfrom torch import nn\nfrom . import y\n")
     assert _imports(p) == ["msgpack", "torch", "kvown.core"]
+
+
+@pytest.mark.timeout(10)
+def test_the_clock_guard_is_active_here() -> None:
+    import threading
+    import time
+
+    for call in (time.monotonic, time.monotonic_ns, time.perf_counter, lambda: time.sleep(0)):
+        with pytest.raises(AssertionError, match="pass now_ns"):
+            call()
+    with pytest.raises(AssertionError):
+        threading.Thread(target=lambda: None).start()
