@@ -67,3 +67,92 @@ def test_actions_of_applied_time_survive_a_rejected_event() -> None:
     out = r.handle(Tick(), T + 5)
     assert kinds(out) == ["Conclude", "SendControl:CancelSession"]
     assert r.handle(Tick(), T + 6) == []  # returned once
+
+
+BAD_OPENS = [
+    (OpenReceive(-1, (0,), (1,)), "request_id"),
+    (OpenReceive(1, (0,), ()), "writers"),
+    (OpenReceive(1, (0,), (1, 1)), "writers"),
+    (OpenReceive(1, (0,), (1, 2, 3), 2), "num_slices"),
+    (OpenReceive(1, (0,), (1,), 0), "num_slices"),
+    (OpenReceive(1, (), (1,)), "dst_blocks"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("event", "field"), BAD_OPENS)
+def test_bad_opens_raise_and_create_nothing(event, field) -> None:
+    from kvown.core.errors import LocalProtocolError
+
+    r = receiver()
+    with pytest.raises(LocalProtocolError) as info:
+        r.handle(event, 0)
+    assert info.value.field == field and not r.sessions
+
+
+def _ok(piece=0, last=False, status=None, writer=1):
+    from kvown.core.messages import KvResult, ResultStatus
+
+    return KvResult(writer, 1, piece, last, status or ResultStatus.SUCCESS, 0)
+
+
+INVALID_EVIDENCE = [
+    ("second result for a piece", [_ok(0)], _ok(0)),
+    ("result after the stream ended", [_ok(0, last=True)], _ok(1)),
+    ("FAILED_QUIESCED without IN_DOUBT", [], "fq"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("case", "first", "then"), INVALID_EVIDENCE, ids=[c[0] for c in INVALID_EVIDENCE])
+def test_invalid_evidence_disputes_quarantines_and_never_retires(case, first, then) -> None:
+    from kvown.core.messages import ResultStatus
+
+    r = receiver()
+    _open(r, writers=(1, 2), slices=2)
+    seq = 0
+    for m in first:
+        r.handle(msg(1, RX, m, seq), 1)
+        seq += 1
+    if then == "fq":
+        then = _ok(0, status=ResultStatus.FAILED_QUIESCED)
+    r.handle(msg(1, RX, then, seq), 2)
+    s = r.sessions[1]
+    assert s.disputed and r.quarantined and r.counters["invalid_evidence"] == 1
+    assert s.has_claims() and s.clock.drain_started_ns == 2
+    from kvown.core.actions import AdmissionRefused
+
+    assert isinstance(r.handle(OpenReceive(2, (5,), (1,)), 3)[0], AdmissionRefused)
+
+
+@pytest.mark.timeout(10)
+def test_slice_claims_and_complete_cohort() -> None:
+    r = receiver()
+    _open(r, writers=(1, 2, 3, 4), slices=2)  # candidates: 1,3 for slice 0; 2,4 for slice 1
+    r.handle(msg(1, RX, _ok(0, True, writer=1)), 1)
+    r.handle(msg(3, RX, _ok(0, True, writer=3)), 2)  # slice 0 already claimed by writer 1
+    assert "already delivered by writer 1" in r.sessions[1].disputed
+
+
+@pytest.mark.timeout(10)
+def test_result_naming_another_writer_is_refused_without_change() -> None:
+    from kvown.core.errors import PeerProtocolError
+
+    r = receiver()
+    _open(r)
+    before = repr(r.sessions[1])
+    with pytest.raises(PeerProtocolError) as info:
+        r.handle(msg(2, RX, _ok(0, writer=1)), 1)
+    assert info.value.field == "writer_rank" and repr(r.sessions[1]) == before and not r.quarantined
+
+
+@pytest.mark.timeout(10)
+def test_release_of_an_undelivered_session_is_a_local_error() -> None:
+    from kvown.core.errors import LocalProtocolError
+    from kvown.core.events import CancelRequested, ReleaseRequested
+
+    r = receiver()
+    _open(r)
+    r.handle(CancelRequested(1), 1)
+    with pytest.raises(LocalProtocolError):
+        r.handle(ReleaseRequested(1), 2)

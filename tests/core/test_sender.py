@@ -32,3 +32,100 @@ def test_session_attached_after_poison_concludes_failed_and_releases_its_source(
     assert out[1] == SendControl(RX, KvResult(1, 2, 0, True, ResultStatus.FAILED, 0))
     assert out[2] == ReleaseSource(2)
     assert 2 not in s.sessions and not s.may_write(2, RX)
+
+
+def _attached(nblocks=2, pieces=1):
+    s = sender()
+    s.handle(OpenSend(1, tuple(range(nblocks)), pieces), 0)
+    s.handle(msg(RX, 1, _rd(1, blocks=tuple(range(10, 10 + nblocks)))), 0)
+    return s
+
+
+BAD_PUBLICATIONS = [
+    ("receiver_rank differs from the stream", RX + 1, _rd(1), "receiver_rank"),
+    ("slice_index >= num_slices", RX, _rd(1, slice_index=2, num_slices=2), "slice_index"),
+    ("block count differs", RX, _rd(1, blocks=(1, 2, 3)), "dst_blocks"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("case", "src", "publication", "field"), BAD_PUBLICATIONS, ids=[c[0] for c in BAD_PUBLICATIONS])
+def test_bad_publications_are_refused_without_change(case, src, publication, field) -> None:
+    from kvown.core.errors import PeerProtocolError
+
+    s = sender()
+    s.handle(OpenSend(1, (0, 1)), 0)
+    before = repr(s.sessions[1])
+    with pytest.raises(PeerProtocolError) as info:
+        s.handle(msg(src, 1, publication), 1)
+    assert info.value.field == field and repr(s.sessions[1]) == before
+
+
+@pytest.mark.timeout(10)
+def test_second_publication_on_one_stream_is_refused() -> None:
+    from kvown.core.errors import PeerProtocolError
+
+    s = _attached()
+    with pytest.raises(PeerProtocolError):
+        s.handle(msg(RX, 1, _rd(1), seq=1), 1)
+    s2 = sender()
+    s2.handle(msg(RX, 1, _rd(5)), 0)  # saved: no session yet
+    with pytest.raises(PeerProtocolError):
+        s2.handle(msg(RX, 1, _rd(5), seq=1), 1)
+
+
+BAD_OPENS = [
+    (OpenSend(-1, (0,)), "request_id"),
+    (OpenSend(1, ()), "num_pieces"),
+    (OpenSend(1, (0,), 2), "num_pieces"),
+    (OpenSend(1, (0,), 1, 0), "num_receivers"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("event", "field"), BAD_OPENS)
+def test_bad_opens_raise(event, field) -> None:
+    from kvown.core.errors import LocalProtocolError
+
+    s = sender()
+    with pytest.raises(LocalProtocolError) as info:
+        s.handle(event, 0)
+    assert info.value.field == field and not s.sessions
+
+
+@pytest.mark.timeout(10)
+def test_nothing_is_posted_before_the_source_is_ready_and_aux_waits_for_every_piece() -> None:
+    s = sender()
+    s.handle(OpenSend(1, (0, 1, 2, 3), 2), 0)
+    assert s.handle(msg(RX, 1, _rd(1, blocks=(5, 6, 7, 8), aux=4)), 0) == []
+    out = s.handle(SourceReady(1, 1), 1)
+    assert [(a.kind.value, a.piece, a.src_blocks, a.dst_blocks) for a in out] == [("kv", 1, (2, 3), (7, 8))]
+    out = s.handle(SourceReady(1, 0), 2)
+    assert [(a.kind.value, a.piece) for a in out] == [("kv", 0), ("aux", 2)] and out[1].aux_slot == 4
+
+
+@pytest.mark.timeout(10)
+def test_sender_timeout_refuses_unposted_pieces_and_in_flight_goes_fatal() -> None:
+    from kvown.core.actions import FailStop
+    from kvown.core.events import Tick
+
+    s = _attached(pieces=2)
+    post = s.handle(SourceReady(1, 0), 10)[0]
+    s.handle(WriteSubmitted(post.op_id), 11)
+    assert s.next_deadline_ns() == 10 + T
+    out = s.handle(Tick(), 10 + T)
+    assert out[0] == Conclude(1, Outcome.TIMED_OUT, "transfer timeout") and s.sessions[1].clock.drain_started_ns == 10 + T
+    assert s.may_write(1, RX)  # the posted write is still in flight
+    out = s.handle(Tick(), 10 + T + G)
+    assert isinstance(out[0], FailStop) and "submitted" in out[0].detail
+
+
+@pytest.mark.timeout(10)
+def test_peer_cancel_after_compaction_is_acked_at_once() -> None:
+    from kvown.core.ids import make_request_id
+    from kvown.core.messages import CancelSession, SessionQuiesced
+
+    s = sender()
+    s.fence.compact_below(1)
+    rid = make_request_id(0, 4)
+    assert s.handle(msg(RX, 1, CancelSession(rid, RX)), 0) == [SendControl(RX, SessionQuiesced(1, rid))]
