@@ -3,51 +3,55 @@
 Context (prefill) ranks write a request's KV blocks into generation (decode) ranks' memory over NIXL;
 kvown retires destination blocks only with proof that every published writer is quiescent, and
 fail-stops the MPI world when that proof is missing at the deadline. See docs/embedding.md.
+
+Names are imported lazily: ``import kvown`` starts no thread and loads neither torch, NIXL nor MPI,
+so entry points can set signal masks and environment first (see docs/operations.md).
 """
 
-from kvown.adapters.cuda import WriteTracker
-from kvown.api import Receiver, Sender
-from kvown.cache.layout import KVLayout
-from kvown.cache.pool import KVPool, PoolExhausted
-from kvown.core.actions import Outcome
-from kvown.core.errors import (
-    AdapterError,
-    ConfigError,
-    InvariantViolation,
-    KvownError,
-    LocalProtocolError,
-    PeerProtocolError,
-    ProtocolError,
-)
-from kvown.core.ids import make_request_id, split_request_id
-from kvown.runtime.bootstrap import RankRuntime, connect_mpi, connect_rendezvous
-from kvown.runtime.config import TransferConfig
-from kvown.runtime.engine import AdmissionError, ReceiveHandle, SendHandle
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AdapterError",
-    "AdmissionError",
-    "ConfigError",
-    "InvariantViolation",
-    "KVLayout",
-    "KVPool",
-    "KvownError",
-    "LocalProtocolError",
-    "Outcome",
-    "PeerProtocolError",
-    "PoolExhausted",
-    "ProtocolError",
-    "RankRuntime",
-    "ReceiveHandle",
-    "Receiver",
-    "SendHandle",
-    "Sender",
-    "TransferConfig",
-    "WriteTracker",
-    "connect_mpi",
-    "connect_rendezvous",
-    "make_request_id",
-    "split_request_id",
-]
+_EXPORTS = {
+    "WriteTracker": "kvown.adapters.cuda",
+    "Receiver": "kvown.api",
+    "Sender": "kvown.api",
+    "KVLayout": "kvown.cache.layout",
+    "KVPool": "kvown.cache.pool",
+    "PoolExhausted": "kvown.cache.pool",
+    "Outcome": "kvown.core.actions",
+    "AdapterError": "kvown.core.errors",
+    "ConfigError": "kvown.core.errors",
+    "InvariantViolation": "kvown.core.errors",
+    "KvownError": "kvown.core.errors",
+    "LocalProtocolError": "kvown.core.errors",
+    "PeerProtocolError": "kvown.core.errors",
+    "ProtocolError": "kvown.core.errors",
+    "make_request_id": "kvown.core.ids",
+    "split_request_id": "kvown.core.ids",
+    "RankRuntime": "kvown.runtime.bootstrap",
+    "connect_mpi": "kvown.runtime.bootstrap",
+    "connect_rendezvous": "kvown.runtime.bootstrap",
+    "TransferConfig": "kvown.runtime.config",
+    "AdmissionError": "kvown.runtime.engine",
+    "ReceiveHandle": "kvown.runtime.engine",
+    "SendHandle": "kvown.runtime.engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvown' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -106,3 +106,30 @@ def test_a_stuck_writer_fail_stops_through_the_kill_route(pair):
     assert not h.retired.is_set()  # never freed
     assert rx.engine.pool.statistics().free == LAYOUT.num_blocks - 1
     assert rx.executor.fired or tx.executor.fired
+
+
+@pytest.mark.timeout(60)
+def test_prometheus_export_reads_the_live_state(pair):
+    from prometheus_client import generate_latest
+
+    from kvown.runtime.metrics import register
+
+    tx, rx, _ = pair
+    registry = register(rx.engine)
+    rid = make_request_id(9, 5)
+    tx.engine.inject_fault("slow-writer:nth=1:ms=300")
+    h = rx.receiver.receive(rid, 2, (0,))
+    tx.sender.send(rid, (1, 2))
+    deadline = time.monotonic() + 5
+    while tx.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    rx.receiver.cancel(rid)
+    time.sleep(0.05)
+    text = generate_latest(registry).decode()
+    assert 'kvown_pool_blocks{rank="1",state="held"} 2.0' in text
+    assert 'kvown_acks_pending{rank="1"} 1.0' in text
+    assert 'kvown_sessions{rank="1",role="receiver",state="draining"} 1.0' in text
+    assert "kvown_fail_stop_deadline_seconds" in text
+    assert h.retired.wait(5)
+    text = generate_latest(registry).decode()
+    assert 'kvown_pool_blocks{rank="1",state="held"} 0.0' in text

@@ -38,6 +38,9 @@ from pathlib import Path  # noqa: E402
 
 from kvown.adapters.mpi import process_start_ticks  # noqa: E402
 from kvown.core.actions import FailStop, FatalReason  # noqa: E402
+from kvown.core.events import OpenReceive, PublicationSent  # noqa: E402
+from kvown.core.machine import CoreConfig  # noqa: E402
+from kvown.core.receiver import ReceiverCore  # noqa: E402
 from kvown.runtime.failstop import (  # noqa: E402
     FailStopExecutor,
     install_sigterm_dump,
@@ -82,21 +85,6 @@ def write_info(rank: int, **extra: object) -> None:
     tmp.rename(out / f"rank{rank}.json")  # atomic: the test never reads half a file
 
 
-class StandInCore:
-    """Stand-in for the protocol core: one claim that never settles. Pure, like the real one."""
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self.deadline_ns: int | None = None  # set (under the lock) once the claim is exposed
-
-    def check_fatal(self, now_ns: int) -> FailStop | None:
-        if self.deadline_ns is not None and now_ns >= self.deadline_ns:
-            return FailStop(FatalReason.DEADLINE, self.request_id, "claim never settled")
-        return None
-
-    def next_deadline_ns(self) -> int | None:
-        return self.deadline_ns
-
 
 def block_logging_forever() -> None:
     """A handler wedged in emit (holding its lock), and this thread stuck behind it, as a full pipe does."""
@@ -116,7 +104,8 @@ def block_logging_forever() -> None:
 def start_runtime(world):  # type: ignore[no-untyped-def]
     """As a real rank does at startup: executor and watchdog exist before any claim does."""
     lock = threading.Lock()
-    core = StandInCore(REQUEST_ID)
+    half_ns = int(args.deadline_s * 1e9) // 2  # transfer timeout + drain grace = the fail-stop deadline
+    core = ReceiverCore(CoreConfig(rank=0, timeout_ns=half_ns, grace_ns=half_ns, peers=(1,)))
     watchdog = RetirementWatchdog(core, lock, FailStopExecutor(world, recorder, dump_dir=out))
     watchdog.start()
     return core, lock, watchdog
@@ -124,8 +113,10 @@ def start_runtime(world):  # type: ignore[no-untyped-def]
 
 def hold_claim(runtime, deadline_ns: int) -> None:  # type: ignore[no-untyped-def]
     core, lock, watchdog = runtime
-    with lock:
-        core.deadline_ns = deadline_ns
+    with lock:  # the real receiver core: request 7 published to writer 1, which never answers
+        exposed_ns = deadline_ns - core.config.timeout_ns - core.config.grace_ns
+        core.handle(OpenReceive(REQUEST_ID, (0, 1), (1,)), exposed_ns)
+        core.handle(PublicationSent(REQUEST_ID), exposed_ns)
     watchdog.wake()
     if args.block_logger:
         block_logging_forever()
