@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run
+from worldkit import run
 
 DEMO = [sys.executable, "-m", "kvown.demo"]
 

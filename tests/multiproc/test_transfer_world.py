@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import mpirun, run
+from worldkit import mpirun, run
 
 EXPECTED = {
     "happy": {"landed", "data_verified", "aux_verified", "retired", "completed", "sender_released", "sender_completed"},

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, WORLDS, mpirun, run
+from worldkit import ROOT, WORLDS, mpirun, run
 from kvown.adapters.rendezvous import RendezvousServer
 
 
