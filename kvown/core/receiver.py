@@ -72,7 +72,6 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class RxState(enum.Enum):
-    IDLE = "idle"  # created by a born-cancelled open; nothing published
     PUBLISHING = "publishing"  # REQUEST_DATA queued, waiting for PublicationSent
     ACTIVE = "active"  # published; collecting evidence; no outcome yet
     DELIVERED = "delivered"  # completed: the consumer may read; waiting for release and settlement

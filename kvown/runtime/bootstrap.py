@@ -57,6 +57,36 @@ class RankRuntime:
 
         return Receiver(self.engine)
 
+    def crash_guard(self, error_delivered: threading.Event | None = None):  # noqa: ANN201
+        """A ``CrashGuard`` for the embedding server's executor loop, wired to this rank's fail-stop.
+
+        Wrap the loop: ``guard.run(loop, cleanup)``; the loop calls ``guard.mark_completed()`` right
+        before its one terminating ``break``. Grace from ``KVOWN_RANK_CRASH_GRACE_S`` (default 10 s).
+        """
+        from kvown.core.actions import FatalReason
+        from kvown.runtime.crashguard import CrashGuard
+
+        size = self.world.size if self.world is not None else len(self.engine.peers) + 1
+        guard: CrashGuard
+
+        def kill() -> None:
+            self.executor.execute(FailStop(FatalReason.RANK_CRASH, None, f"executor loop crashed: {guard.error!r}"))
+
+        guard = CrashGuard(kill, world_size=size, error_delivered=error_delivered)
+        return guard
+
+    def hang_detector(self, timeout_s: float, *, c_backstop: bool = True):  # noqa: ANN201
+        """A started ``HangDetector``; call ``.heartbeat()`` every loop iteration."""
+        from kvown.runtime.hang import HangDetector
+
+        return HangDetector(timeout_s=timeout_s, executor=self.executor, recorder=self.engine.recorder,
+                            c_backstop=c_backstop).start()
+
+    def set_watermark(self, epoch: int) -> None:
+        """This rank will never admit a request id of an epoch below ``epoch`` again; fences below the
+        world-wide minimum are compacted. Called: by the router/server, any thread, non-decreasing."""
+        self.engine.submit(("watermark", epoch))
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the engine and watchdog. Refused (by the endpoint) while any write handle is live."""
         self.watchdog.stop()
