@@ -31,7 +31,8 @@ class TransferConfig:
     aux_slot_nbytes: int = 64  # bytes of the auxiliary payload (first tokens, counts) per request
     aux_slots: int = 1024  # auxiliary slots per rank
     flight_capacity: int = 4096  # events kept by the flight recorder
-    idle_sleep_s: float = 50e-6  # engine back-off when nothing moved (0 means sched_yield only)
+    spin_s: float = 0.002  # keep yield-polling this long after the last progress
+    idle_sleep_s: float = 200e-6  # then nap this long between polls (0: never nap, only sched_yield)
     fault: str = field(default_factory=lambda: os.environ.get("KVOWN_FAULT", ""))  # fault injection
 
     def __post_init__(self) -> None:
@@ -42,8 +43,9 @@ class TransferConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError("must be a positive integer", field=name, value=value)
-        if not (0 <= self.idle_sleep_s <= 0.1):
-            raise ConfigError("idle_sleep_s must be in [0, 0.1]", field="idle_sleep_s", value=self.idle_sleep_s)
+        for name in ("spin_s", "idle_sleep_s"):
+            if not (0 <= getattr(self, name) <= 0.1):
+                raise ConfigError("must be in [0, 0.1] seconds", field=name, value=getattr(self, name))
 
     def core_config(self, rank: int, peers: tuple[int, ...]) -> CoreConfig:
         timeout_ns = timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")

@@ -175,6 +175,7 @@ class Engine:
         self.stats = collections.Counter()
         self.fatal: FailStop | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by submit(): ends an idle nap at once
         self._stuck_ops: set[int] = set()  # fault injection: never polled again
         self._slow_ops: dict[int, int] = {}  # fault injection: op id -> instant before which it is not polled
         self._fault = _parse_fault(config.fault, rank)
@@ -193,6 +194,7 @@ class Engine:
     def submit(self, command: tuple) -> None:
         """Queue a command for the engine thread. Called: by API facades, any thread."""
         self.inbox.put(command)
+        self._wake.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop (orderly shutdown after every session retired). Called: once, any thread."""
@@ -256,20 +258,27 @@ class Engine:
     # ---- the loop (engine thread) ---------------------------------------------------------------
 
     def _run(self) -> None:
+        """Poll everything; after ``spin_s`` without progress, nap ``idle_sleep_s`` (woken by commands).
+
+        NIXL without a progress thread offers no wake-up for incoming notifications, so an engine that
+        naps sees a peer's frame only when the nap ends: spinning (with ``sched_yield``, which hands
+        the core to any other runnable thread) for a while after the last progress keeps a protocol
+        round trip at poll speed, and napping afterwards keeps an idle rank cheap.
+        """
         try:
-            idle = 0
+            spin_ns = int(self.config.spin_s * 1e9)
+            last_progress_ns = self.clock()
             while not self._stop.is_set():
                 moved = self._step()
                 if self.fatal is not None:
                     return self._park()
                 if moved:
-                    idle = 0
-                    continue
-                idle += 1
-                if idle < 64 or not self.config.idle_sleep_s:
+                    last_progress_ns = self.clock()
+                elif not self.config.idle_sleep_s or self.clock() - last_progress_ns < spin_ns:
                     os.sched_yield()
                 else:
-                    time.sleep(self.config.idle_sleep_s)
+                    self._wake.wait(self.config.idle_sleep_s)
+                    self._wake.clear()
         except BaseException as exc:  # rule 3: nothing escapes as log-and-continue
             self.recorder.record("engine_crash", None, error=repr(exc))
             self.fatal = FailStop(FatalReason.ENGINE_CRASH, None, f"engine thread raised {exc!r}")
