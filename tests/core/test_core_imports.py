@@ -56,3 +56,15 @@ def test_the_clock_guard_is_active_here() -> None:
             call()
     with pytest.raises(AssertionError):
         threading.Thread(target=lambda: None).start()
+
+
+def test_the_clock_guard_is_armed_in_core_tests():
+    import threading
+    import time
+
+    import pytest
+
+    for call in (time.monotonic, time.monotonic_ns, time.perf_counter, lambda: time.sleep(0),
+                 lambda: threading.Thread(target=lambda: None).start()):
+        with pytest.raises(AssertionError, match="pass now_ns"):
+            call()
