@@ -299,7 +299,6 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
 def kv_latency(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, mode: str, delays_ns: list[int],
                deadline: float) -> dict[str, Any]:
     """One session at a time. mode: "complete" (release after landing), "immediate" / "mid" (cancel)."""
-    from kvown import Outcome
 
     soft_barrier(comm, deadline)
     if rank == SENDER:

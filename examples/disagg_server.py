@@ -19,7 +19,6 @@ Both executor loops run under kvown's rank-crash guard and heartbeat a hang dete
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 from mpi4py import MPI

@@ -16,7 +16,6 @@ import glob
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -208,7 +207,7 @@ def _run_with_progress(cmd: list[str], env: dict, workdir: str, out: str, args: 
 
 def _report_fault(rc: int, wall_s: float, flights: list[str], timeout_s: float) -> int:
     print("\nkvown demo --fault stuck-writer")
-    print(f"  a WRITE on rank 0 never completes; its receiver cannot prove quiescence")
+    print("  a WRITE on rank 0 never completes; its receiver cannot prove quiescence")
     print(f"  world exit code       {rc} (75 = retirement deadline fail-stop)")
     print(f"  wall time             {wall_s:.1f} s (timeout {timeout_s:.1f} s + grace {timeout_s:.1f} s)")
     for path in flights:

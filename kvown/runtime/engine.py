@@ -58,7 +58,6 @@ from kvown.core.events import (
     Event,
     MessageReceived,
     OpenReceive,
-    OpenSend,
     PublicationSent,
     ReleaseRequested,
     SourceReady,
@@ -71,7 +70,7 @@ from kvown.core.events import (
     WriteSubmitted,
 )
 from kvown.core.machine import RankCore
-from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, SessionQuiesced, Watermark
+from kvown.core.messages import CancelSession, RequestData, Watermark
 from kvown.core.receiver import ReceiverCore
 from kvown.core.sender import SenderCore
 from kvown.core.streams import InboundStreams, OutboundStreams
@@ -631,4 +630,4 @@ def _as_uint8(data: bytes) -> Any:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-__all__ = ["AdmissionError", "Engine", "ReceiveHandle", "SendHandle", "Outcome", "KvResult", "AuxResult", "SessionQuiesced"]
+__all__ = ["AdmissionError", "Engine", "ReceiveHandle", "ReceiveSpec", "SendHandle"]

@@ -37,7 +37,7 @@ from kvown.core.events import (
     WriteFailed,
     WriteSubmitted,
 )
-from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
+from kvown.core.messages import AuxResult, KvResult, ResultStatus, SessionQuiesced
 from kvown.core.streams import InboundStreams, OutboundStreams
 
 S, F, D, Q = ResultStatus.SUCCESS, ResultStatus.FAILED, ResultStatus.IN_DOUBT, ResultStatus.FAILED_QUIESCED
