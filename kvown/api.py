@@ -126,6 +126,16 @@ class Receiver:
         _check_rid(request_id)
         self._engine.submit(("release", request_id))
 
+    def local_copy(self, request_id: int, ready: Any) -> None:
+        """Declare a local copy into the destination (e.g. a scatter kernel) as pending evidence.
+
+        ``ready`` is the token recorded after the copy (``WriteTracker.record(stream)``); the blocks
+        cannot retire, whatever the writers say, until it reports done.
+        Called: by the decode server after queueing the copy, any thread.
+        """
+        _check_rid(request_id)
+        self._engine.submit(("local_copy", request_id, ready))
+
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The auxiliary payload of a landed request."""
         if handle.aux_slot < 0 or not handle.landed.is_set():

@@ -56,6 +56,8 @@ from kvown.core.errors import AdapterError, KvownError, LocalProtocolError, Peer
 from kvown.core.events import (
     CancelRequested,
     Event,
+    LocalCompletionDone,
+    LocalCompletionPending,
     MessageReceived,
     OpenReceive,
     PublicationSent,
@@ -169,6 +171,8 @@ class Engine:
         self._writes: dict[int, Any] = {}  # op_id -> XferHandle (posted, not yet DONE)
         self._in_doubt: set[int] = set()  # op ids whose handle reported ERROR (rule 4)
         self._sends: dict[int, _SendState] = {}
+        self._local_copies: dict[int, tuple[int, Any]] = {}  # token id -> (request id, ready token)
+        self._next_local = 0
         self._recvs: dict[int, ReceiveHandle] = {}
         self._aux_free = list(range(config.aux_slots - 1, -1, -1))
         self.stats = collections.Counter()
@@ -374,6 +378,11 @@ class Engine:
             if handle is not None:
                 handle.released_ns = now
             self._events.append((self._core("receiver"), ReleaseRequested(request_id)))
+        elif kind == "local_copy":
+            _, request_id, token = command
+            self._next_local += 1
+            self._local_copies[self._next_local] = (request_id, token)
+            self._events.append((self._core("receiver"), LocalCompletionPending(request_id, self._next_local)))
         elif kind == "watermark":
             _, epoch = command
             for core in (self.sender, self.receiver):
@@ -451,6 +460,11 @@ class Engine:
 
     def _poll_ready(self) -> bool:
         moved = False
+        for token_id, (request_id, token) in list(self._local_copies.items()):
+            if token.query():  # the event recorded after the local copy completed: evidence
+                del self._local_copies[token_id]
+                moved = True
+                self._events.append((self.receiver, LocalCompletionDone(request_id, token_id)))
         for request_id, state in list(self._sends.items()):
             for piece, token in enumerate(state.tokens):
                 if token is not None and token.query():

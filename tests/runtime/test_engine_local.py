@@ -133,3 +133,19 @@ def test_prometheus_export_reads_the_live_state(pair):
     assert h.retired.wait(5)
     text = generate_latest(registry).decode()
     assert 'kvown_pool_blocks{rank="1",state="held"} 0.0' in text
+
+
+@pytest.mark.timeout(60)
+def test_a_pending_local_copy_blocks_retirement_until_its_event(pair):
+    tx, rx, _ = pair
+    rid = make_request_id(9, 6)
+    h = rx.receiver.receive(rid, 1, (0,))
+    tx.sender.send(rid, (4,))
+    assert h.landed.wait(5)
+    copy_done = WriteTracker("cpu").pending()  # e.g. a scatter kernel from staging into the blocks
+    rx.receiver.local_copy(rid, copy_done)
+    rx.receiver.release(rid)
+    time.sleep(0.1)
+    assert not h.retired.is_set()  # the writer settled, the consumer released: the copy still blocks
+    copy_done.signal()
+    assert h.retired.wait(5)
