@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of the retirement-latency distribution")
     ap.add_argument("--deadline-s", type=float, default=120.0, help="hard limit for the whole world")
     ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests only: a deliberately broken receiver
+    ap.add_argument("--inject", default="", help=argparse.SUPPRESS)  # tests only: raw KVOWN_FAULT text
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.ranks % 2:
         ap.error("--ranks must be an even number >= 2")
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         rank_args.append("--context-first")
     if args.fan_in:
         rank_args.append("--fan-in")
-    if args.fault:
-        rank_args += ["--fault", "stuck-writer:rank=0:nth=3"]
+    if args.fault or args.inject:
+        rank_args += ["--fault", args.inject or "stuck-writer:rank=0:nth=3"]
     if args.mutant:
         rank_args += ["--mutant", args.mutant]
     env = dict(os.environ, KVOWN_FLIGHT_DIR=flight_dir, PYTHONUNBUFFERED="1")

@@ -180,7 +180,8 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by submit(): ends an idle nap at once
         self._stuck_ops: set[int] = set()  # fault injection: never polled again
-        self._slow_ops: dict[int, int] = {}  # fault injection: op id -> instant before which it is not polled
+        self._slow_ops: dict[int, int] = {}
+        self._late_frames: list[tuple[int, str, bytes]] = []  # fault injection: (due_ns, agent, frame)  # fault injection: op id -> instant before which it is not polled
         self._fault = _parse_fault(config.fault, rank)
         # Optional checks run on the engine thread (the demo's canaries): called with the block ids
         # right after they retire, and right after they are allocated (before anything is published).
@@ -302,7 +303,7 @@ class Engine:
                 break
             moved = True
             self._command(command)
-        for sender_agent, frame in self.endpoint.drain_notifs():
+        for sender_agent, frame in self._arrived_frames():
             moved = True
             self._frame(sender_agent, frame)
         moved |= self._poll_writes()
@@ -436,6 +437,21 @@ class Engine:
                 self.recorder.record("frame_rejected", None, error=f"{message.KIND.name} for a rank without {role}")
                 continue
             self._events.append((core, MessageReceived(env)))
+
+    def _arrived_frames(self) -> list[tuple[str, bytes]]:
+        """Notifications from NIXL, in arrival order; the ``slow-control`` fault delivers them late."""
+        frames = self.endpoint.drain_notifs()
+        slow = self._fault.get("slow-control")
+        if slow is None and not self._late_frames:
+            return frames
+        now = self.clock()
+        delay_ns = (slow or {}).get("ms", 20) * 1_000_000
+        self._late_frames.extend((now + delay_ns, agent, frame) for agent, frame in frames)
+        due = 0
+        while due < len(self._late_frames) and self._late_frames[due][0] <= now:
+            due += 1
+        ready, self._late_frames[:] = self._late_frames[:due], self._late_frames[due:]
+        return [(agent, frame) for _, agent, frame in ready]
 
     def _poll_writes(self) -> bool:
         moved = False
@@ -627,7 +643,8 @@ def _parse_fault(text: str, rank: int) -> dict[str, dict[str, int]]:
 
     ``KVOWN_FAULT="stuck-writer:rank=0:nth=3"``: on rank 0 the 3rd posted WRITE never reports DONE.
     ``"slow-writer:rank=0:nth=1:ms=300"``: the 1st posted WRITE reports DONE only after 300 ms
-    (``nth=0`` means every WRITE). Entries are comma-separated.
+    (``nth=0`` means every WRITE). ``"slow-control:rank=0:ms=20"``: every control frame reaches rank 0
+    20 ms late (a slow network; order is kept). Entries are comma-separated.
     """
     faults: dict[str, dict[str, int]] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
