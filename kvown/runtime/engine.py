@@ -181,7 +181,9 @@ class Engine:
         self._wake = threading.Event()  # set by submit(): ends an idle nap at once
         self._stuck_ops: set[int] = set()  # fault injection: never polled again
         self._slow_ops: dict[int, int] = {}
-        self._late_frames: list[tuple[int, str, bytes]] = []  # fault injection: (due_ns, agent, frame)  # fault injection: op id -> instant before which it is not polled
+        self._late_frames: list[tuple[int, str, bytes]] = []
+        self._local_prep: Any = None
+        self._remote_preps: dict[int, Any] = {}  # fault injection: (due_ns, agent, frame)  # fault injection: op id -> instant before which it is not polled
         self._fault = _parse_fault(config.fault, rank)
         # Optional checks run on the engine thread (the demo's canaries): called with the block ids
         # right after they retire, and right after they are allocated (before anything is published).
@@ -560,16 +562,21 @@ class Engine:
             local = [(self._aux_addr(state.aux_slot), nbytes)]
             remote = [(peer.aux_addr + action.aux_slot * nbytes, nbytes)]
         else:
-            local, remote = self._kv_ranges(action, peer)
+            local, remote = ((), ()) if action.num_slices == 1 else self._kv_ranges(action, peer)
         try:
-            handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem, MemKind(peer.mem_kind))
-        except AdapterError as exc:
-            if getattr(exc, "posted", None) is False:
-                self._events.append((self.sender, WriteNotSubmitted(action.op_id, str(exc))))
+            if action.kind is PieceKind.KV and action.num_slices == 1:  # whole blocks: prepped lists
+                local_prep, remote_prep = self._preps(action.receiver_rank)
+                handle = self.endpoint.post_write_blocks(peer.agent_name, local_prep, action.src_blocks,
+                                                         remote_prep, action.dst_blocks)
             else:
-                self._writes[action.op_id] = exc.handle  # rooted and polled: in doubt until DONE
+                handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem, MemKind(peer.mem_kind))
+        except (AdapterError, LocalProtocolError) as exc:  # e.g. a peer's block id beyond its pool
+            if getattr(exc, "posted", False) is None:  # transfer() itself raised: in doubt until DONE
+                self._writes[action.op_id] = exc.handle  # rooted and polled
                 self._in_doubt.add(action.op_id)
                 self._events.append((self.sender, WriteSubmitFailed(action.op_id, str(exc))))
+            else:  # refused before anything was posted
+                self._events.append((self.sender, WriteNotSubmitted(action.op_id, str(exc))))
             return
         self._writes[action.op_id] = handle
         self.stats["bytes_written"] += handle.nbytes
@@ -581,13 +588,23 @@ class Engine:
             self.recorder.record("fault_slow_writer", action.request_id, op_id=action.op_id)
         self._events.append((self.sender, WriteSubmitted(action.op_id)))
 
+    def _preps(self, peer_rank: int) -> tuple[Any, Any]:
+        """Descriptor lists of whole blocks, prepped once per side (NIXL merges contiguous runs)."""
+        nbytes = self.pool.layout.block_nbytes
+        if self._local_prep is None:
+            self._local_prep = self.endpoint.prep_blocks(self.pool.base_addr, nbytes, self.pool.layout.num_blocks,
+                                                         self._mem)
+        remote = self._remote_preps.get(peer_rank)
+        if remote is None:
+            peer = self.peers[peer_rank]
+            remote = self._remote_preps[peer_rank] = self.endpoint.prep_blocks(
+                peer.pool_addr, nbytes, peer.pool_nbytes // nbytes, MemKind(peer.mem_kind), peer=peer.agent_name)
+        return self._local_prep, remote
+
     def _kv_ranges(self, action: PostWrite, peer: PeerInfo) -> tuple[list, list]:
+        """Byte ranges of one head slice of every block (fan-in: each writer owns a slice)."""
         layout = self.pool.layout
         base, remote_base = self.pool.base_addr, peer.pool_addr
-        if action.num_slices == 1:
-            local = [(base + off, n) for off, n in layout.block_ranges(action.src_blocks)]
-            remote = [(remote_base + off, n) for off, n in layout.block_ranges(action.dst_blocks)]
-            return local, remote  # the endpoint pairs them byte for byte
         local, remote = [], []
         for src, dst in zip(action.src_blocks, action.dst_blocks):
             for off, n in layout.head_slice_ranges(src, action.slice_index, action.num_slices):

@@ -149,3 +149,19 @@ def test_a_pending_local_copy_blocks_retirement_until_its_event(pair):
     assert not h.retired.is_set()  # the writer settled, the consumer released: the copy still blocks
     copy_done.signal()
     assert h.retired.wait(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_block_id_beyond_the_peer_pool_is_refused_not_posted(pair):
+    """A forged or buggy REQUEST_DATA naming blocks the peer does not have: nothing is written."""
+    from kvown.core.events import MessageReceived
+    from kvown.core.messages import Envelope, RequestData
+
+    tx, _rx, _ = pair
+    rid = make_request_id(9, 7)
+    hs = tx.sender.send(rid, (1, 2))
+    forged = RequestData(rid, 1, (5, LAYOUT.num_blocks + 3), 0, 1, -1)
+    tx.engine.call(lambda e: (e._events.append((e.sender, MessageReceived(Envelope(1, 0, 10**6, forged)))), e._pump()))
+    assert hs.released.wait(5)
+    assert hs.outcome.result(1) is Outcome.FAILED
+    assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
