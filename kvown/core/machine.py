@@ -127,7 +127,23 @@ class RankCore(Generic[S]):
                 return self._fatal_action(request_id, session)
         return None
 
+    def nearest_fail_stop_ns(self) -> int | None:
+        """Pure: the earliest fail-stop deadline over sessions with open claims (for statistics)."""
+        deadlines = (self._fatal_deadline_ns(session) for session in self.sessions.values())
+        return min((d for d in deadlines if d is not None), default=None)
+
+    def sessions_by_state(self) -> dict[str, int]:
+        """Pure: live sessions counted by state name (for statistics)."""
+        counts: dict[str, int] = {}
+        for session in self.sessions.values():
+            name = self._state_name(session)
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
     # ---- for subclasses -----------------------------------------------------------------------
+
+    def _state_name(self, session: S) -> str:
+        raise NotImplementedError
 
     def _dispatch(self, event: Event, now_ns: int, actions: list[Action]) -> None:
         raise NotImplementedError

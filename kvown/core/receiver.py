@@ -474,6 +474,9 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _mark_fatal(self, s: ReceiveSession) -> None:
         s.state = RxState.FATAL
 
+    def _state_name(self, s: ReceiveSession) -> str:
+        return s.state.value
+
 
 _ORIGIN = {
     Outcome.CANCELLED: CancelOrigin.CLIENT,

@@ -456,6 +456,9 @@ class SenderCore(RankCore[SendSession]):
     def _mark_fatal(self, s: SendSession) -> None:
         s.reason = "fatal"
 
+    def _state_name(self, s: SendSession) -> str:
+        return "open" if s.outcome is None else "draining"
+
     def may_write(self, request_id: int, receiver_rank: int) -> bool:
         """True if some operation of this stream is posted or could still be posted (for checkers)."""
         s = self.sessions.get(request_id)

@@ -179,11 +179,11 @@ class Engine:
         self.fatal: FailStop | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by submit(): ends an idle nap at once
+        self._local_prep: Any = None  # prepped descriptor lists of whole blocks: ours, and per peer
+        self._remote_preps: dict[int, Any] = {}
         self._stuck_ops: set[int] = set()  # fault injection: never polled again
-        self._slow_ops: dict[int, int] = {}
-        self._late_frames: list[tuple[int, str, bytes]] = []
-        self._local_prep: Any = None
-        self._remote_preps: dict[int, Any] = {}  # fault injection: (due_ns, agent, frame)  # fault injection: op id -> instant before which it is not polled
+        self._slow_ops: dict[int, int] = {}  # fault injection: op id -> instant before which it is not polled
+        self._late_frames: list[tuple[int, str, bytes]] = []  # fault injection: (due_ns, agent, frame)
         self._fault = _parse_fault(config.fault, rank)
         # Optional checks run on the engine thread (the demo's canaries): called with the block ids
         # right after they retire, and right after they are allocated (before anything is published).
@@ -235,22 +235,13 @@ class Engine:
             }
             for name, core in (("sender", self.sender), ("receiver", self.receiver)):
                 if core is not None:
-                    deadline = core.next_deadline_ns()
                     out[name] = {
                         "sessions": len(core.sessions),
+                        "sessions_by_state": core.sessions_by_state(),
                         "fences": len(core.fence),
-                        "next_deadline_ns": deadline,
+                        "oldest_fail_stop_deadline_ns": core.nearest_fail_stop_ns(),
                         "counters": dict(core.counters),
                     }
-            for name, core in (("sender", self.sender), ("receiver", self.receiver)):
-                if core is not None:
-                    by_state = collections.Counter(
-                        getattr(s, "state", None).value if hasattr(s, "state") else ("open" if s.outcome is None else "draining")
-                        for s in core.sessions.values()
-                    )
-                    fatal_deadlines = [d for d in (core._fatal_deadline_ns(s) for s in core.sessions.values()) if d]
-                    out[name]["sessions_by_state"] = dict(by_state)
-                    out[name]["oldest_fail_stop_deadline_ns"] = min(fatal_deadlines) if fatal_deadlines else None
             if self.receiver is not None:
                 out["receiver"]["blocks_awaiting_proof"] = pool.held
                 out["receiver"]["quarantined"] = self.receiver.quarantined
