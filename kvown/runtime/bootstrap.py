@@ -161,6 +161,10 @@ def _start(rank, peers, endpoint, pool, aux, key, config, roles, world, layout, 
     watchdog = RetirementWatchdog(_FatalView(engine), engine.lock, executor)
     watchdog.start()
     engine.start()
+    if config.metrics_port:
+        from kvown.runtime.metrics import serve
+
+        serve(engine, config.metrics_port + rank)
     return RankRuntime(rank, engine, watchdog, executor, world)
 
 

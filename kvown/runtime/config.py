@@ -34,6 +34,8 @@ class TransferConfig:
     spin_s: float = 0.002  # keep yield-polling this long after the last progress
     idle_sleep_s: float = 200e-6  # then nap this long between polls (0: never nap, only sched_yield)
     fault: str = field(default_factory=lambda: os.environ.get("KVOWN_FAULT", ""))  # fault injection
+    # Prometheus /metrics on 127.0.0.1:(metrics_port + rank); 0 disables.
+    metrics_port: int = field(default_factory=lambda: int(os.environ.get("KVOWN_METRICS_PORT", "0") or 0))
 
     def __post_init__(self) -> None:
         timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")
@@ -43,6 +45,8 @@ class TransferConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError("must be a positive integer", field=name, value=value)
+        if type(self.metrics_port) is not int or not (0 <= self.metrics_port < 65536):
+            raise ConfigError("metrics_port must be 0 (off) or a TCP port", field="metrics_port", value=self.metrics_port)
         for name in ("spin_s", "idle_sleep_s"):
             if not (0 <= getattr(self, name) <= 0.1):
                 raise ConfigError("must be in [0, 0.1] seconds", field=name, value=getattr(self, name))

@@ -165,3 +165,28 @@ def test_a_block_id_beyond_the_peer_pool_is_refused_not_posted(pair):
     assert hs.released.wait(5)
     assert hs.outcome.result(1) is Outcome.FAILED
     assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
+
+
+@pytest.mark.timeout(60)
+def test_metrics_port_serves_prometheus_text():
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT, config=TransferConfig(metrics_port=port))
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=5).read().decode()
+        assert 'kvown_pool_blocks{rank="1",state="free"}' in body
+    finally:
+        for rt in world.values():
+            rt.watchdog.stop()
+            rt.engine.stop()
+
+
+def test_bad_metrics_port_is_a_config_error():
+    from kvown import ConfigError
+
+    with pytest.raises(ConfigError, match="metrics_port"):
+        TransferConfig(metrics_port=70000)
