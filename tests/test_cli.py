@@ -57,3 +57,12 @@ def test_missing_dependency_inside_an_existing_module_is_not_hidden(monkeypatch:
     monkeypatch.setattr(cli.importlib, "import_module", import_module)
     with pytest.raises(ModuleNotFoundError):
         cli.main(["bench"])
+
+
+def test_bench_without_a_name_runs_every_benchmark(tmp_path, capsys):
+    from kvown.bench import SCRIPTS, main
+
+    assert main(["--dry-run", "--json", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(SCRIPTS)
+    assert all(f"bench-{name}.json" in " ".join(lines) for name in SCRIPTS)
