@@ -29,7 +29,14 @@ from typing import Any, Sequence
 from kvown.core.errors import LocalProtocolError
 from kvown.core.events import OpenSend
 from kvown.core.ids import is_valid_request_id
-from kvown.runtime.engine import Engine, ReceiveHandle, ReceiveSpec, SendHandle
+from kvown.runtime.engine import AdmissionError, Engine, ReceiveHandle, ReceiveSpec, SendHandle
+
+
+def _check_open(engine: Engine, request_id: int) -> None:
+    """A rank that latched a fail-stop admits nothing (its engine is parked, waiting to die)."""
+    fatal = engine.fail_stopping()
+    if fatal is not None:
+        raise AdmissionError("this rank is fail-stopping", request_id=request_id, reason=fatal.detail)
 
 
 def _check_rid(request_id: int) -> None:
@@ -65,6 +72,7 @@ class Sender:
         After error: nothing was queued.
         """
         _check_rid(request_id)
+        _check_open(self._engine, request_id)
         blocks = tuple(int(b) for b in src_blocks)
         self._engine.pool.layout.check_block_ids(blocks, field="src_blocks")
         tokens = list(ready) if isinstance(ready, (list, tuple)) else [ready] * num_pieces
@@ -109,6 +117,7 @@ class Receiver:
         Ownership: ``handle.blocks`` belong to kvown until ``handle.retired`` is set.
         """
         _check_rid(request_id)
+        _check_open(self._engine, request_id)
         if type(num_blocks) is not int or num_blocks < 1:
             raise LocalProtocolError("num_blocks must be a positive int", field="num_blocks", value=num_blocks)
         allocated: Future = Future()

@@ -94,24 +94,6 @@ class RankRuntime:
         self.engine.endpoint.close()
 
 
-class _FatalView:
-    """The watchdog's view of both cores of a rank (pure reads under the engine lock)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.cores = [c for c in (engine.sender, engine.receiver) if c is not None]
-
-    def check_fatal(self, now_ns: int) -> FailStop | None:
-        for core in self.cores:
-            fatal = core.check_fatal(now_ns)
-            if fatal is not None:
-                return fatal
-        return None
-
-    def next_deadline_ns(self) -> int | None:
-        deadlines = [d for d in (c.next_deadline_ns() for c in self.cores) if d is not None]
-        return min(deadlines) if deadlines else None
-
-
 def job_key_from_env() -> bytes:
     text = os.environ.get("KVOWN_JOB_KEY", "")
     if not text:
@@ -158,7 +140,7 @@ def _start(rank, peers, endpoint, pool, aux, key, config, roles, world, layout, 
 
     engine = Engine(rank=rank, peers=peers, endpoint=endpoint, pool=pool, aux=aux, key=key, config=config,
                     sender="sender" in roles, receiver="receiver" in roles, recorder=recorder, fail_stop=fail_stop)
-    watchdog = RetirementWatchdog(_FatalView(engine), engine.lock, executor)
+    watchdog = RetirementWatchdog(engine, engine.lock, executor)
     watchdog.start()
     engine.start()
     if config.metrics_port:

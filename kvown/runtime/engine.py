@@ -217,6 +217,29 @@ class Engine:
         """Arm faults at the NIXL seam (see ``_parse_fault``). Called: by tests, any thread."""
         self.call(lambda engine: engine._fault.update(_parse_fault(text, engine.rank)))
 
+    def check_fatal(self, now_ns: int) -> FailStop | None:
+        """Pure: the fail-stop either core latched or would latch at ``now_ns``.
+
+        Called: by the retirement watchdog every <= 10 ms, with ``lock`` held.
+        """
+        for core in (self.sender, self.receiver):
+            fatal = core.check_fatal(now_ns) if core is not None else None
+            if fatal is not None:
+                return fatal
+        return None
+
+    def next_deadline_ns(self) -> int | None:
+        """The earliest deadline of either core (the watchdog sleeps at most until then). Lock held."""
+        deadlines = [d for d in (c.next_deadline_ns() for c in (self.sender, self.receiver) if c) if d is not None]
+        return min(deadlines, default=None)
+
+    def fail_stopping(self) -> FailStop | None:
+        """The fail-stop this rank latched or is due to latch now, if any. Called: any thread."""
+        if self.fatal is not None:
+            return self.fatal
+        with self.lock:
+            return self.check_fatal(self.clock())
+
     def allocate_aux(self) -> int:
         """Take an aux slot (engine thread or before start)."""
         return self._aux_free.pop() if self._aux_free else -1

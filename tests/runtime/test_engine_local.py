@@ -106,6 +106,13 @@ def test_a_stuck_writer_fail_stops_through_the_kill_route(pair):
     assert not h.retired.is_set()  # never freed
     assert rx.engine.pool.statistics().free == LAYOUT.num_blocks - 1
     assert rx.executor.fired or tx.executor.fired
+    from kvown import AdmissionError
+
+    fatal_rank = rx if rx.engine.fail_stopping() is not None else tx
+    assert fatal_rank.engine.fail_stopping() is not None
+    with pytest.raises(AdmissionError):  # a fail-stopping rank admits nothing, at once
+        (fatal_rank.receiver.receive(make_request_id(9, 8), 1, (0,)) if fatal_rank is rx
+         else fatal_rank.sender.send(make_request_id(9, 8), (3,)))
 
 
 @pytest.mark.timeout(60)
