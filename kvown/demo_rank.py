@@ -86,7 +86,7 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
             token.signal()
             open_[p.request_id] = (p, handle, blocks, time.monotonic())
             if args.context_first:
-                comm.isend(p.request_id, dest=p.receiver, tag=GO_TAG)
+                comm.send(p.request_id, dest=p.receiver, tag=GO_TAG)  # small: sent eagerly, never blocks long
         now = time.monotonic()
         for rid, (p, handle, blocks, opened) in list(open_.items()):
             if p.cancel == "tx_mid" and now - opened >= p.cancel_delay_s and not getattr(handle, "_kv_cancelled", False):
