@@ -77,4 +77,4 @@ def decode_loop(g) -> None:
 
 guard.run(prefill_loop if comm.rank == PREFILL else decode_loop, cleanup=hang.stop)
 comm.Barrier()
-rt.close()
+rt.exit(0)  # close, finalize MPI, and skip C++ destructors at interpreter exit

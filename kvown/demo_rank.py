@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests: prove the checks catch a bug
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    faulthandler.enable()  # a fatal signal prints every thread's Python stack
     sys.setswitchinterval(args.switch_interval_s)  # the engine thread must not wait 5 ms for the GIL
 
     from mpi4py import MPI
@@ -266,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(results, f)
     comm.Barrier()
-    rt.close()
-    return 0
+    rt.exit(0)
 
 
 if __name__ == "__main__":

@@ -296,4 +296,4 @@ if rank == 0:
     with open(ARGS.out, "w") as f:
         json.dump(merged, f, indent=1)
 comm.Barrier()
-rt.close()
+rt.exit(0)

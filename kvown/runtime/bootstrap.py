@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -86,6 +87,23 @@ class RankRuntime:
         """This rank will never admit a request id of an epoch below ``epoch`` again; fences below the
         world-wide minimum are compacted. Called: by the router/server, any thread, non-decreasing."""
         self.engine.submit(("watermark", epoch))
+
+    def exit(self, code: int = 0) -> NoReturn:
+        """End this rank's process in order: close, finalize MPI (if in use), flush, ``os._exit``.
+
+        Why not a plain return: at interpreter finalization NIXL/UCX and torch C++ destructors run
+        under daemon threads that CPython is tearing down, and now and then that aborts the process
+        ("terminate called without an active exception", exit 134) after all the work succeeded.
+        ``os._exit`` skips them once everything that matters is closed. Called: once, main thread,
+        last statement of a rank's program.
+        """
+        self.close()
+        mpi = sys.modules.get("mpi4py.MPI")  # never import (and so initialise) MPI just to finalise it
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the engine and watchdog. Refused (by the endpoint) while any write handle is live."""

@@ -48,6 +48,7 @@ def test_demo_with_a_slow_network_catches_a_receiver_that_retires_on_cancel(tmp_
     posted after the receiver cancels. kvown holds the blocks until the writer quiesces and stays
     clean; the bug every peer system shipped (retire on cancel without acks) corrupts reused blocks."""
     proc, report = demo(tmp_path, *SLOW_NETWORK, *(("--mutant", mutant) if mutant else ()))
+    assert report is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     if mutant:
         assert proc.returncode == 1, proc.stdout[-2000:]
         assert report["corrupted_blocks"] > 0, report

@@ -38,4 +38,4 @@ for i in range(3):
         report["ok"].append(bool(landed and same and h.retired.wait(5)))
 with open(out, "w") as f:
     json.dump(report, f)
-rt.engine.stop()
+rt.exit(0)
