@@ -24,7 +24,7 @@ from mpi4py import MPI  # noqa: E402
 from kernels.nvfp4 import fill_pattern  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.cuda import WriteTracker  # noqa: E402
-from kvown.core.messages import MAX_FRAME_NBYTES, Envelope, KvResult, ResultStatus, seal  # noqa: E402
+from kvown.core.messages import Envelope, KvResult, ResultStatus, seal  # noqa: E402
 from kvown.adapters import codec  # noqa: E402
 
 import argparse  # noqa: E402
@@ -238,37 +238,39 @@ def context_first(r):
 
 @scenario
 def hostile_frames(r):
-    """Garbage, a forged tag, an oversized frame, a replay, a misaddressed frame and a malformed body:
-    each rejected (or, the replay, dropped as a duplicate) and counted, and nothing changes."""
+    """Garbage, a forged tag, a replay, a misaddressed frame and a malformed body: each rejected (or,
+    the replay, dropped as a duplicate) and counted, and nothing changes. (Oversized frames are
+    rejected by the size cap before anything else; that is tested in-process, because UCX itself
+    fails notifications of about a MiB now and then under load, after send_notif returned.)"""
     if rank == W1:  # an insider or a stranger
         agent, key = rt.engine.peers[RX].agent_name, rt.engine.key
         result = KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)
         frames = {
             "garbage": b"\x00garbage",
             "forged": codec.encode(Envelope(W1, RX, 99, result), b"k" * 32),
-            "oversized": b"x" * (MAX_FRAME_NBYTES + 64),
             "replay": codec.encode(Envelope(W1, RX, 0, result), key),  # seq 0 was used long ago
             "misaddressed": codec.encode(Envelope(W1, 1, 5, result), key),
             "malformed": seal(b"\x91\x01", key),
         }
 
-        def send_each(engine) -> list[str]:  # the raw agent: kvown's endpoint refuses oversized frames
-            sent = []
-            for name, frame in frames.items():
-                try:
-                    engine.endpoint._agent.send_notif(agent, frame)
-                    sent.append(name)
-                except Exception:  # UCX may refuse a large message under load: then it was not sent
-                    pass
-            return sent
+        def send_one(frame: bytes):  # on the engine thread, which owns the agent; the raw agent
+            return lambda engine: engine.endpoint._agent.send_notif(agent, frame)  # skips kvown's checks
 
         sent: list[str] = []
+        recv(RX, 16)  # the receiver has taken its "before" snapshot
         try:
-            sent = rt.engine.call(send_each)
+            for name, frame in frames.items():  # one per engine step, so the agent progresses between
+                try:
+                    rt.engine.call(send_one(frame))
+                    sent.append(name)
+                except Exception:  # not sent: not expected either
+                    pass
+                time.sleep(0.002)
         finally:
             comm.send(sent, dest=RX, tag=15)
     elif rank == RX:
         before = rt.engine.statistics()
+        comm.send("snapshot taken", dest=W1, tag=16)
         sent = recv(W1, 15)
         want_rejected = len([name for name in sent if name != "replay"])
         want_duplicates = int("replay" in sent)
@@ -280,7 +282,7 @@ def hostile_frames(r):
             if (rejected >= want_rejected and duplicates >= want_duplicates) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        check("hostile_frames", rejected_and_counted=rejected == want_rejected and want_rejected >= 4,
+        check("hostile_frames", rejected_and_counted=rejected == want_rejected and want_rejected == 4,
               replay_dropped=duplicates == want_duplicates == 1,
               no_session_created=after["receiver"]["sessions"] == before["receiver"]["sessions"],
               not_quarantined=after["receiver"]["quarantined"] == "",
