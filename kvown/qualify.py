@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from kvown.demo import mpirun_command
+from kvown.launch import mpirun_command
 
 
 def main(argv: list[str] | None = None) -> int:

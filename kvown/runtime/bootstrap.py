@@ -24,10 +24,10 @@ from typing import Any, NoReturn
 import torch
 
 from kvown.adapters.nixl import MemKind, NixlEndpoint
+from kvown.adapters.rendezvous import job_key_from_env
 from kvown.cache.layout import KVLayout
 from kvown.cache.pool import KVPool
 from kvown.core.actions import FailStop
-from kvown.core.errors import ConfigError
 from kvown.core.messages import CAPABILITIES, PROTOCOL_VERSION, Hello, check_hello, check_key
 from kvown.runtime.config import PeerInfo, TransferConfig
 from kvown.runtime.engine import Engine
@@ -110,18 +110,6 @@ class RankRuntime:
         self.watchdog.stop()
         self.engine.stop(timeout_s)
         self.engine.endpoint.close()
-
-
-def job_key_from_env() -> bytes:
-    text = os.environ.get("KVOWN_JOB_KEY", "")
-    if not text:
-        raise ConfigError("KVOWN_JOB_KEY is not set", field="KVOWN_JOB_KEY",
-                          fix="export KVOWN_JOB_KEY=$(python -c 'import secrets; print(secrets.token_hex(32))') on every rank")
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ConfigError("KVOWN_JOB_KEY is not hex", field="KVOWN_JOB_KEY") from None
-    return check_key(key)
 
 
 def local_hello(rank: int, layout: KVLayout) -> Hello:
@@ -222,7 +210,7 @@ def connect_rendezvous(
     from kvown.adapters import rendezvous
 
     config = config or TransferConfig()
-    key = job_key_from_env()
+    key = job_key_from_env()  # KVOWN_JOB_KEY, hex; a missing or short key is a ConfigError
     pool, aux, endpoint, info = _make_local(rank, layout, config, device, job)
     rendezvous.publish(address, f"rank{rank}", msgpack.packb(info.to_wire()), key)
     peers = {}

@@ -254,7 +254,7 @@ class Engine:
                 "writes_in_flight": len(self._writes),
                 "writes_in_doubt": len(self._in_doubt),
                 "fatal": None if self.fatal is None else self.fatal.detail,
-                "counters": dict(self.stats),
+                "counters": {**self.stats, "duplicate_frames": self.inn.duplicates},
             }
             for name, core in (("sender", self.sender), ("receiver", self.receiver)):
                 if core is not None:
@@ -436,7 +436,6 @@ class Engine:
             self.stats[f"rejected_{getattr(exc, 'field', 'frame')}"] += 1
             self.recorder.record("frame_rejected", None, agent=agent[:40], error=str(exc))
             return
-        self.stats["duplicate_frames"] = self.inn.duplicates
         for env in delivered:
             self.recorder.record("recv", getattr(env.message, "request_id", None), msg=env.message.KIND.name,
                                  src=env.src_rank, seq=env.seq)
@@ -566,24 +565,13 @@ class Engine:
         return True
 
     def _post(self, action: PostWrite) -> None:
-        peer = self.peers[action.receiver_rank]
-        if action.kind is PieceKind.AUX:
-            state = self._sends.get(action.request_id)
-            nbytes = self.config.aux_slot_nbytes
-            if state is None or state.aux_slot < 0:
-                self._events.append((self.sender, WriteNotSubmitted(action.op_id, "no aux payload")))
-                return
-            local = [(self._aux_addr(state.aux_slot), nbytes)]
-            remote = [(peer.aux_addr + action.aux_slot * nbytes, nbytes)]
-        else:
-            local, remote = ((), ()) if action.num_slices == 1 else self._kv_ranges(action, peer)
+        """Execute one PostWrite and feed back exactly one of the submit events."""
+        state = self._sends.get(action.request_id)
+        if action.kind is PieceKind.AUX and (state is None or state.aux_slot < 0):
+            self._events.append((self.sender, WriteNotSubmitted(action.op_id, "no aux payload")))
+            return
         try:
-            if action.kind is PieceKind.KV and action.num_slices == 1:  # whole blocks: prepped lists
-                local_prep, remote_prep = self._preps(action.receiver_rank)
-                handle = self.endpoint.post_write_blocks(peer.agent_name, local_prep, action.src_blocks,
-                                                         remote_prep, action.dst_blocks)
-            else:
-                handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem, MemKind(peer.mem_kind))
+            handle = self._submit(action, state)
         except (AdapterError, LocalProtocolError) as exc:  # e.g. a peer's block id beyond its pool
             if getattr(exc, "posted", False) is None:  # transfer() itself raised: in doubt until DONE
                 self._writes[action.op_id] = exc.handle  # rooted and polled
@@ -601,6 +589,21 @@ class Engine:
             self._slow_ops[action.op_id] = self.clock() + self._fault["slow-writer"].get("ms", 300) * 1_000_000
             self.recorder.record("fault_slow_writer", action.request_id, op_id=action.op_id)
         self._events.append((self.sender, WriteSubmitted(action.op_id)))
+
+    def _submit(self, action: PostWrite, state: _SendState | None) -> Any:
+        """Post the WRITE: the aux slot, whole blocks (prepped lists), or one head slice per block."""
+        peer = self.peers[action.receiver_rank]
+        if action.kind is PieceKind.AUX:
+            nbytes = self.config.aux_slot_nbytes
+            local = [(self._aux_addr(state.aux_slot), nbytes)]  # type: ignore[union-attr]
+            remote = [(peer.aux_addr + action.aux_slot * nbytes, nbytes)]
+        elif action.num_slices == 1:
+            local_prep, remote_prep = self._preps(action.receiver_rank)
+            return self.endpoint.post_write_blocks(peer.agent_name, local_prep, action.src_blocks,
+                                                   remote_prep, action.dst_blocks)
+        else:
+            local, remote = self._kv_ranges(action, peer)
+        return self.endpoint.post_write(peer.agent_name, local, remote, self._mem, MemKind(peer.mem_kind))
 
     def _preps(self, peer_rank: int) -> tuple[Any, Any]:
         """Descriptor lists of whole blocks, prepped once per side (NIXL merges contiguous runs)."""
