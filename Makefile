@@ -39,7 +39,7 @@ bench: $(STAMP)
 
 docs: $(STAMP)
 	@if [ -f kvown/docs_gen.py ]; then \
-		$(VENV)/bin/python -m kvown.docs_gen; \
+		$(VENV)/bin/python -m kvown.apps.docs_gen; \
 	else \
 		echo "kvown/docs_gen.py is not in this checkout yet; nothing to generate"; \
 	fi

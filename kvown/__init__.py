@@ -32,13 +32,16 @@ _EXPORTS = {
     "ProtocolError": "kvown.core.errors",
     "make_request_id": "kvown.core.ids",
     "split_request_id": "kvown.core.ids",
-    "RankRuntime": "kvown.runtime.bootstrap",
-    "connect_mpi": "kvown.runtime.bootstrap",
-    "connect_rendezvous": "kvown.runtime.bootstrap",
+    "RankRuntime": "kvown.rank",
+    "connect_mpi": "kvown.rank",
+    "connect_rendezvous": "kvown.rank",
     "TransferConfig": "kvown.runtime.config",
-    "AdmissionError": "kvown.runtime.engine",
-    "ReceiveHandle": "kvown.runtime.engine",
-    "SendHandle": "kvown.runtime.engine",
+    "AdmissionError": "kvown.runtime.commands",
+    "ReceiveHandle": "kvown.runtime.commands",
+    "SendHandle": "kvown.runtime.commands",
+    "BlockSpace": "kvown.cache.space",
+    "Region": "kvown.cache.space",
+    "Role": "kvown.adapters.transport",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,8 @@
 """The embedding API: what a prefill server and a decode server call.
 
-Owns: nothing; ``Sender`` and ``Receiver`` are thin, thread-safe facades that queue commands for the
-rank's engine thread (``kvown.runtime.engine``) and hand back handles the engine completes.
+Owns: ``Sender`` and ``Receiver``, thin thread-safe facades that validate every argument in the
+calling thread, then queue one typed command for the rank's engine and hand back a handle the engine
+completes.
 
 A prefill (context) server::
 
@@ -18,18 +19,37 @@ A decode (generation) server::
 
 Rules:
   1. Blocks come back to the pool only through kvown (retirement with proof, or never: fail-stop).
-  2. Every method may be called from any thread, any number of times; ``cancel`` is idempotent.
+  2. Every method may be called from any thread; ``cancel`` is idempotent and takes any valid id
+     (cancelling before the session exists fences it: it will be born cancelled).
+  3. Bad input raises a typed error in the caller, naming the argument (``LocalProtocolError`` with
+     ``field``), before anything is queued: the engine never sees it, the pool is unchanged.
+  4. A request id has at most one live session per role on a rank; a second ``send`` / ``receive``
+     with a live id is refused (rule 3) - it would overwrite the first session's handle.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any, Sequence
+import math
+from collections.abc import Sequence
+from typing import Any
 
+from kvown.adapters.transport import Role
 from kvown.core.errors import LocalProtocolError
-from kvown.core.events import OpenSend
 from kvown.core.ids import is_valid_request_id
-from kvown.runtime.engine import AdmissionError, Engine, ReceiveHandle, ReceiveSpec, SendHandle
+from kvown.runtime.commands import (
+    AdmissionError,
+    Cancel,
+    LocalCopy,
+    Receive,
+    ReceiveHandle,
+    Release,
+    Send,
+    SendHandle,
+    Ticket,
+)
+from kvown.runtime.engine import Engine
+
+WITHDRAWN_WAIT_S = 60.0  # a taken receive resolves within one engine step; this only bounds a dead engine
 
 
 def _check_open(engine: Engine, request_id: int) -> None:
@@ -39,17 +59,32 @@ def _check_open(engine: Engine, request_id: int) -> None:
         raise AdmissionError("this rank is fail-stopping", request_id=request_id, reason=fatal.detail)
 
 
-def _check_rid(request_id: int) -> None:
+def _check_rid(request_id: Any) -> int:
     if not is_valid_request_id(request_id):
         raise LocalProtocolError("invalid request id (use kvown.make_request_id)", field="request_id",
                                  request_id=request_id)
+    return request_id
+
+
+def _positive_int(value: Any, field: str, *, at_most: int | None = None) -> int:
+    if type(value) is not int or value < 1 or (at_most is not None and value > at_most):
+        bound = f" and at most {at_most}" if at_most is not None else ""
+        raise LocalProtocolError(f"{field} must be a positive int{bound}", field=field, value=value)
+    return value
+
+
+def _token(token: Any, field: str) -> Any:
+    if not callable(getattr(token, "query", None)):
+        raise LocalProtocolError("a ready token needs a query() method (e.g. WriteTracker.record())",
+                                 field=field, value=type(token).__name__)
+    return token
 
 
 class Sender:
     """Context side. ``Called:`` from the prefill server's threads."""
 
     def __init__(self, engine: Engine) -> None:
-        if engine.sender is None:
+        if engine.driver.sender is None:
             raise LocalProtocolError("this rank was started without the sender role", field="roles")
         self._engine = engine
 
@@ -69,32 +104,58 @@ class Sender:
         one for all; no WRITE is posted before it reports ready. Generation-first (the receiver
         published already) and context-first (it publishes later) both work.
         Ownership: ``src_blocks`` must not be reused until ``handle.released`` is set.
-        After error: nothing was queued.
+        After error: nothing was queued (rules 3 and 4).
         """
+        engine = self._engine
         _check_rid(request_id)
-        _check_open(self._engine, request_id)
-        blocks = tuple(int(b) for b in src_blocks)
-        self._engine.pool.layout.check_block_ids(blocks, field="src_blocks")
-        tokens = list(ready) if isinstance(ready, (list, tuple)) else [ready] * num_pieces
-        if len(tokens) != num_pieces:
-            raise LocalProtocolError("one ready token per piece", field="ready", pieces=num_pieces)
-        tokens = [_always_ready if t is None else t for t in tokens]
+        layout = engine.pool.layout
+        blocks = self._blocks(src_blocks, layout.num_blocks)
+        _positive_int(num_pieces, "num_pieces", at_most=len(blocks))
+        _positive_int(num_receivers, "num_receivers", at_most=len(engine.driver.transport.peers))
+        if ready is None or not isinstance(ready, (list, tuple)):
+            tokens = [_always_ready if ready is None else _token(ready, "ready")] * num_pieces
+        else:
+            tokens = [_token(t, "ready") for t in ready]
+            if len(tokens) != num_pieces:
+                raise LocalProtocolError("one ready token per piece", field="ready", tokens=len(tokens),
+                                         num_pieces=num_pieces)
+        if aux is not None:
+            if not isinstance(aux, (bytes, bytearray)):
+                raise LocalProtocolError("aux must be bytes", field="aux", value=type(aux).__name__)
+            if len(aux) > engine.driver.config.aux_slot_nbytes:
+                raise LocalProtocolError("aux payload larger than an aux slot", field="aux", nbytes=len(aux),
+                                         max_nbytes=engine.driver.config.aux_slot_nbytes)
+            aux = bytes(aux)
+        _check_open(engine, request_id)
         handle = SendHandle(request_id)
-        event = OpenSend(request_id, blocks, num_pieces, num_receivers)
-        self._engine.submit(("send", event, handle, tokens, aux))
+        engine.live.claim(Role.SENDER, request_id, handle)
+        engine.submit(Send(request_id, blocks, tuple(tokens), num_receivers, aux, handle))
         return handle
+
+    @staticmethod
+    def _blocks(src_blocks: Any, num_blocks: int) -> tuple[int, ...]:
+        try:
+            blocks = tuple(src_blocks)
+        except TypeError:
+            raise LocalProtocolError("src_blocks must be a sequence of block ids", field="src_blocks") from None
+        if not blocks:
+            raise LocalProtocolError("src_blocks must not be empty", field="src_blocks")
+        bad = [b for b in blocks if type(b) is not int or not 0 <= b < num_blocks]
+        if bad:
+            raise LocalProtocolError("source block id out of range", field="src_blocks", blocks=bad[:4],
+                                     num_blocks=num_blocks)
+        return blocks
 
     def cancel(self, request_id: int) -> None:
         """Abort on the prefill side: fence the id, refuse unposted writes, let posted ones drain."""
-        _check_rid(request_id)
-        self._engine.submit(("cancel", "sender", request_id))
+        self._engine.submit(Cancel(Role.SENDER, _check_rid(request_id)))
 
 
 class Receiver:
     """Generation side. ``Called:`` from the decode server's threads."""
 
     def __init__(self, engine: Engine) -> None:
-        if engine.receiver is None:
+        if engine.driver.receiver is None:
             raise LocalProtocolError("this rank was started without the receiver role", field="roles")
         self._engine = engine
 
@@ -112,28 +173,92 @@ class Receiver:
 
         ``writers[i]`` writes head slice ``i % num_slices``; more writers than slices is a broadcast
         publication (one cohort delivers, the others must acknowledge). Raises ``PoolExhausted`` when
-        the pool has too few free blocks (nothing changed: retry later) and ``AdmissionError`` through
-        ``handle.outcome`` when the rank refuses new sessions.
+        the pool has too few free blocks (nothing changed: retry later), ``AdmissionError`` when the
+        rank refuses new sessions, and ``TimeoutError`` when the engine did not take the command within
+        ``timeout_s`` (it was withdrawn: nothing was allocated or published).
         Ownership: ``handle.blocks`` belong to kvown until ``handle.retired`` is set.
         """
+        ticket = self.submit_receive(request_id, num_blocks, writers, num_slices=num_slices, aux=aux,
+                                     timeout_s=timeout_s)  # validates timeout_s too
+        try:
+            handle = ticket.future.result(timeout_s)
+        except TimeoutError:
+            if ticket.withdraw():  # never leave blocks allocated and published with no handle
+                raise TimeoutError(f"kvown engine did not take receive({request_id}) within {timeout_s} s; "
+                                   "withdrawn, nothing was allocated") from None
+            handle = ticket.future.result(WITHDRAWN_WAIT_S)  # taken: it resolves within one step
+        self._engine.live.replace(Role.RECEIVER, request_id, handle)
+        return handle
+
+    def submit_receive(
+        self, request_id: int, num_blocks: int, writers: Sequence[int], *, num_slices: int = 1, aux: bool = False,
+        timeout_s: float = 10.0,
+    ) -> Ticket:
+        """``receive`` without the wait: validate, queue, and return the ticket whose ``future`` resolves
+        to the handle (or ``PoolExhausted`` / ``LocalProtocolError``). For event-loop servers and the
+        simulator, which must not block. After error: as ``receive``; nothing was queued.
+        """
+        engine = self._engine
         _check_rid(request_id)
-        _check_open(self._engine, request_id)
-        if type(num_blocks) is not int or num_blocks < 1:
-            raise LocalProtocolError("num_blocks must be a positive int", field="num_blocks", value=num_blocks)
-        allocated: Future = Future()
-        spec = ReceiveSpec(request_id, num_blocks, tuple(int(w) for w in writers), num_slices, aux)
-        self._engine.submit(("receive", spec, ReceiveHandle(request_id), allocated))
-        return allocated.result(timeout_s)
+        _positive_int(num_blocks, "num_blocks", at_most=engine.pool.layout.num_blocks)
+        writers = self._writers(writers)
+        _positive_int(num_slices, "num_slices", at_most=len(writers))
+        if len(writers) % num_slices:
+            raise LocalProtocolError("num_slices must divide the number of writers", field="num_slices",
+                                     num_slices=num_slices, writers=len(writers))
+        heads = engine.pool.layout.num_kv_heads
+        if heads % num_slices:
+            raise LocalProtocolError("num_slices must divide the KV heads", field="num_slices",
+                                     num_slices=num_slices, num_kv_heads=heads)
+        if not isinstance(aux, bool):
+            raise LocalProtocolError("aux must be True or False", field="aux", value=aux)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            math.isfinite(timeout_s) and timeout_s > 0
+        ):
+            raise LocalProtocolError("timeout_s must be a finite number > 0", field="timeout_s", value=timeout_s)
+        _check_open(engine, request_id)
+        ticket = Ticket()
+        engine.live.claim(Role.RECEIVER, request_id, ticket)
+        engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket))
+        return ticket
+
+    def _writers(self, writers: Any) -> tuple[int, ...]:
+        try:
+            out = tuple(writers)
+        except TypeError:
+            raise LocalProtocolError("writers must be a sequence of ranks", field="writers") from None
+        if not out:
+            raise LocalProtocolError("writers must not be empty", field="writers")
+        if len(set(out)) != len(out):
+            raise LocalProtocolError("writers must be distinct", field="writers", writers=out)
+        peers = self._engine.driver.transport.peers
+        for w in out:
+            if type(w) is not int or w not in peers:
+                raise LocalProtocolError("writer is not a peer rank of this world", field="writers", writer=w,
+                                         peers=sorted(peers))
+            if Role.SENDER not in peers[w].roles:
+                raise LocalProtocolError("writer rank has no sender role", field="writers", writer=w)
+        return out
 
     def cancel(self, request_id: int) -> None:
         """Cancel at any point; blocks retire once every published writer has quiesced."""
-        _check_rid(request_id)
-        self._engine.submit(("cancel", "receiver", request_id))
+        entry = self._engine.live.live(Role.RECEIVER, _check_rid(request_id))
+        if isinstance(entry, ReceiveHandle):
+            entry.closing = True
+        self._engine.submit(Cancel(Role.RECEIVER, request_id))
 
     def release(self, request_id: int) -> None:
-        """The consumer is done with delivered blocks; kvown retires them with proof."""
-        _check_rid(request_id)
-        self._engine.submit(("release", request_id))
+        """The consumer is done with delivered blocks; kvown retires them with proof.
+
+        After error: ``LocalProtocolError`` if the id has no live receive or its KV has not landed
+        (cancel instead); nothing was queued.
+        """
+        handle = self._live_handle(request_id, "release")
+        if not handle.landed.is_set():
+            raise LocalProtocolError("release before the KV landed; cancel instead", field="request_id",
+                                     request_id=request_id)
+        handle.closing = True
+        self._engine.submit(Release(request_id))
 
     def local_copy(self, request_id: int, ready: Any) -> None:
         """Declare a local copy into the destination (e.g. a scatter kernel) as pending evidence.
@@ -142,14 +267,26 @@ class Receiver:
         cannot retire, whatever the writers say, until it reports done.
         Called: by the decode server after queueing the copy, any thread.
         """
-        _check_rid(request_id)
-        self._engine.submit(("local_copy", request_id, ready))
+        _token(ready, "ready")
+        handle = self._live_handle(request_id, "local_copy")
+        if handle.closing:
+            raise LocalProtocolError("local_copy after release or cancel: the blocks are no longer yours to fill",
+                                     field="request_id", request_id=request_id)
+        self._engine.submit(LocalCopy(request_id, ready))
+
+    def _live_handle(self, request_id: int, what: str) -> ReceiveHandle:
+        entry = self._engine.live.live(Role.RECEIVER, _check_rid(request_id))
+        handle = entry.future.result(WITHDRAWN_WAIT_S) if isinstance(entry, Ticket) else entry
+        if handle is None:
+            raise LocalProtocolError(f"{what}: no live receive session for this request", field="request_id",
+                                     request_id=request_id)
+        return handle
 
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The auxiliary payload of a landed request."""
         if handle.aux_slot < 0 or not handle.landed.is_set():
             raise LocalProtocolError("no landed aux payload", field="aux_slot", request_id=handle.request_id)
-        return bytes(self._engine._aux_view(handle.aux_slot).numpy())
+        return self._engine.driver.read_aux(handle)
 
 
 class _AlwaysReady:

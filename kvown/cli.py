@@ -25,11 +25,11 @@ import kvown
 
 # name -> ("module:function", one-line help). The function is ``main(argv: list[str]) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvown.demo:main", "run the main job: context ranks write KV into generation ranks"),
-    "bench": ("kvown.bench:main", "run the reproducible benchmarks (JSON + PNG output)"),
-    "qualify": ("kvown.qualify:main", "run every ownership scenario in a real 3-rank world (layout, device, hosts)"),
-    "doctor": ("kvown.doctor:main", "print what this machine offers, one line per part"),
-    "inspect": ("kvown.runtime.flight:inspect_main", "read a flight-recorder dump"),
+    "demo": ("kvown.apps.demo:main", "run the main job: context ranks write KV into generation ranks"),
+    "bench": ("kvown.apps.bench:main", "run the reproducible benchmarks (JSON + PNG output)"),
+    "qualify": ("kvown.apps.qualify:main", "run every ownership scenario in a real 3-rank world (layout, device, hosts)"),
+    "doctor": ("kvown.apps.doctor:main", "print what this machine offers, one line per part"),
+    "inspect": ("kvown.apps.inspect:inspect_main", "read a flight-recorder dump"),
 }
 
 

@@ -60,7 +60,7 @@ def test_missing_dependency_inside_an_existing_module_is_not_hidden(monkeypatch:
 
 
 def test_bench_without_a_name_runs_every_benchmark(tmp_path, capsys):
-    from kvown.bench import SCRIPTS, main
+    from kvown.apps.bench import SCRIPTS, main
 
     assert main(["--dry-run", "--json", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()

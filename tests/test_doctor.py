@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from kvown import cli, doctor
-from kvown.doctor import CheckResult, CheckStatus
+from kvown import cli
+from kvown.apps import doctor
+from kvown.apps.doctor import CheckResult, CheckStatus
 
 EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "gpu"]
 

@@ -87,20 +87,25 @@ class Region:
 
 @dataclass(eq=False)
 class PreppedBlocks:
-    """A prepped descriptor list of ``num_blocks`` equal blocks at ``base_addr + i * stride_nbytes``.
+    """A prepped descriptor list: entry ``i`` is ``sizes[i]`` bytes at ``addrs[i]``.
 
+    ``prep_blocks`` makes the common case (``num_blocks`` equal blocks at ``base + i * stride``);
+    ``prep_descs`` any list, e.g. one chunk of every block in each of several regions.
     ``peer`` is None for the local side of a transfer, else the peer agent whose memory it names.
     """
 
-    base_addr: int
-    block_nbytes: int
-    num_blocks: int
+    addrs: np.ndarray  # uint64
+    sizes: np.ndarray  # int64
     mem: MemKind
     device_id: int
     peer: str | None
-    stride_nbytes: int
     _lib: Any = field(repr=False, default=None)
     released: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of entries (indices passed to ``post_write_blocks`` must be below it)."""
+        return int(self.sizes.size)
 
 
 class XferHandle:
@@ -513,23 +518,34 @@ class NixlEndpoint:
         Called: at startup / when a peer joins, owner thread (can take ms for large lists).
         After error: ``AdapterError(op="prep_xfer_dlist")``; nothing was prepped.
         """
-        self._check_open()
-        if peer is not None:
-            self._check_peer(peer)
         stride = block_nbytes if stride_nbytes is None else stride_nbytes
         if base_addr <= 0 or block_nbytes <= 0 or num_blocks <= 0 or stride < block_nbytes:
             raise LocalProtocolError("bad block geometry", field="block_nbytes", base_addr=base_addr,
                                      block_nbytes=block_nbytes, num_blocks=num_blocks, stride_nbytes=stride)
-        descs = np.empty((num_blocks, 3), dtype=np.uint64)
-        descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(stride)
-        descs[:, 1] = block_nbytes
+        addrs = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(stride)
+        return self.prep_descs(addrs, np.full(num_blocks, block_nbytes, dtype=np.int64), mem, peer, device_id)
+
+    def prep_descs(
+        self, addrs: np.ndarray, sizes: np.ndarray, mem: MemKind, peer: str | None = None, device_id: int = 0
+    ) -> PreppedBlocks:
+        """Prep an arbitrary descriptor list (``addrs[i]``, ``sizes[i]``). Called, After error: as above."""
+        self._check_open()
+        if peer is not None:
+            self._check_peer(peer)
+        addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+        if addrs.ndim != 1 or addrs.shape != sizes.shape or addrs.size == 0 or (sizes <= 0).any():
+            raise LocalProtocolError("descriptors need matching non-empty addrs and positive sizes", field="sizes")
+        descs = np.empty((addrs.size, 3), dtype=np.uint64)
+        descs[:, 0] = addrs
+        descs[:, 1] = sizes
         descs[:, 2] = device_id
         try:
             lib = self._agent.prep_xfer_dlist(peer or _INIT_AGENT, descs, mem.value)
         except Exception as e:
             raise AdapterError("could not prep the descriptor list", cause=e, op="prep_xfer_dlist",
-                               peer=peer, num_blocks=num_blocks) from e
-        prep = PreppedBlocks(base_addr, block_nbytes, num_blocks, mem, device_id, peer, stride, lib)
+                               peer=peer, num_descs=int(addrs.size)) from e
+        prep = PreppedBlocks(addrs, sizes, mem, device_id, peer, lib)
         self._prepped.append(prep)
         return prep
 
@@ -569,16 +585,15 @@ class NixlEndpoint:
         if remote_prep.peer != peer:
             raise LocalProtocolError("remote_prep names another peer", field="remote_prep",
                                      peer=peer, prep_peer=remote_prep.peer)
-        if local_prep.block_nbytes != remote_prep.block_nbytes:
-            raise LocalProtocolError("block sizes differ", field="remote_prep",
-                                     local_nbytes=local_prep.block_nbytes,
-                                     remote_nbytes=remote_prep.block_nbytes)
         li = _as_index_array(local_idx, local_prep.num_blocks, "local_idx")
         ri = _as_index_array(remote_idx, remote_prep.num_blocks, "remote_idx")
         if li.size != ri.size:
             raise LocalProtocolError("index arrays differ in length", field="remote_idx",
                                      local_count=int(li.size), remote_count=int(ri.size))
-        nbytes = int(li.size) * local_prep.block_nbytes
+        local_sizes = local_prep.sizes[li]
+        if not np.array_equal(local_sizes, remote_prep.sizes[ri]):
+            raise LocalProtocolError("block sizes differ", field="remote_prep")
+        nbytes = int(local_sizes.sum())
         try:
             lib = self._agent.make_prepped_xfer("WRITE", local_prep._lib, li, remote_prep._lib, ri,
                                                 notif or b"")

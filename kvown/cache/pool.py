@@ -34,6 +34,7 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from kvown.cache.layout import KVLayout
+from kvown.cache.space import BlockSpace
 from kvown.core.errors import ConfigError, InvariantViolation, KvownError, LocalProtocolError
 
 
@@ -85,6 +86,12 @@ class KVPool:
     def base_addr(self) -> int:
         """Address of block 0 (what NIXL registers); block b starts ``b * block_nbytes`` later."""
         return int(self.tensor.data_ptr())
+
+    def space(self) -> BlockSpace:
+        """The pool as a one-region block space (heads outermost), for the transport."""
+        mem = "VRAM" if self.device.type == "cuda" else "DRAM"
+        return BlockSpace.contiguous(self.base_addr, self._block_nbytes, self.layout.num_blocks,
+                                     heads=self.layout.num_kv_heads, mem=mem, device_id=self.device.index or 0)
 
     def block_addr(self, block: int) -> int:
         self._check_index(block, "block")

@@ -42,7 +42,8 @@ class FatalReason(enum.Enum):
     INVARIANT = "invariant"  # an INV-* check failed
     ENGINE_CRASH = "engine_crash"  # an exception escaped a kvown thread
     HANG = "hang"  # the heartbeat lapsed
-    RANK_CRASH = "rank_crash"  # the embedding server's executor loop died
+    RANK_CRASH = "rank_crash"  # the embedding server's executor loop died, or a rank left its program early
+    CONTROL_LOST = "control_lost"  # a control frame could not be sent within the resend budget
 
 
 class Action:
@@ -106,6 +107,15 @@ class ReleaseSource(Action):
     """Sender: no writer reads these source blocks any more; the prefill server may reuse them."""
 
     request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Disputed(Action):
+    """Receiver: a peer's evidence cannot be honest (see receiver rule 1). The session will never retire
+    and this rank's admission is quarantined; the driver records and counts it. Nothing to execute."""
+
+    request_id: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,14 +57,6 @@ class OpenReceive(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class PublicationSent(Event):
-    """The driver queued the REQUEST_DATA messages; ``failed`` lists the writers whose send failed."""
-
-    request_id: int
-    failed: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
 class CancelRequested(Event):
     """The embedding server cancels a request (either side). Idempotent; installs a permanent fence."""
 

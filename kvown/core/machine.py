@@ -7,11 +7,17 @@ Rules:
   1. ``handle(event, now_ns)`` is the only entry point that mutates; ``now_ns`` must never go
      backwards. It first applies time (timeouts, then fatal deadlines), then the event.
   2. The fatal latch is sticky: once a ``FailStop`` was returned, admission stays closed, nothing
-     retires and no evidence changes anything. ``check_fatal`` is pure, so a watchdog thread can
-     evaluate deadlines under the engine's lock even when the engine thread is blocked.
-  3. An illegal (state, input) pair raises and leaves the state unchanged: handlers validate first,
+     retires and no evidence changes anything.
+  3. Only ``handle`` mutates. Everything else a second thread may call (``check_fatal``,
+     ``next_deadline_ns``, ``nearest_fail_stop_ns``, ``sessions_by_state``) is pure: it reads and
+     changes nothing, so a watchdog holding the engine's lock can never disturb the engine's state
+     (stale deadline-heap entries are dropped by ``handle``, never by a reader).
+  4. An illegal (state, input) pair raises and leaves the state unchanged: handlers validate first,
      then mutate. Time is applied before the event, so when the event then raises, the actions that
      time produced are not lost: the next ``handle`` call returns them first.
+  5. Defence in depth: a message addressed to another rank is refused here too (``dst_rank``), not
+     only by the stream layer, and admission honours this rank's own watermark as well as the
+     world's.
 
 Invariants:
   INV-C1: after a FailStop, ``handle`` returns no action other than ``AdmissionRefused``.
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 from typing import Generic, Iterable, TypeVar
 
 from kvown.core.actions import Action, AdmissionRefused, FailStop
-from kvown.core.errors import ConfigError, LocalProtocolError
+from kvown.core.errors import ConfigError, LocalProtocolError, PeerProtocolError
 from kvown.core.events import Event, MessageReceived, Tick, WatermarkSet
 from kvown.core.fence import CancellationFence
 from kvown.core.ids import split_request_id
@@ -66,7 +72,8 @@ class RankCore(Generic[S]):
         self.counters: dict[str, int] = {}
         self._now_ns = -1
         self._carried: list[Action] = []  # time-driven actions of a call whose event then raised
-        self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id); stale entries are fine
+        self._deadlines: list[tuple[int, int]] = []  # (deadline_ns, request_id) heap; stale entries are fine
+        self._queued: set[tuple[int, int]] = set()  # what the heap holds, so a deadline is pushed once
         self._local_watermark = 0
         self._peer_watermarks: dict[int, int] = {}
 
@@ -89,6 +96,8 @@ class RankCore(Generic[S]):
             # next call (next_deadline_ns() says "now") instead of losing them with the exception.
             self._carried = actions
             raise
+        finally:
+            self._prune()
         return actions
 
     def _apply(self, event: Event, now_ns: int, actions: list[Action]) -> None:
@@ -96,6 +105,9 @@ class RankCore(Generic[S]):
             pass  # only time passed, and _advance applied it (events rule 3)
         elif isinstance(event, WatermarkSet):
             self._on_local_watermark(event.epoch, actions)
+        elif isinstance(event, MessageReceived) and event.envelope.dst_rank != self.config.rank:
+            raise PeerProtocolError("message addressed to another rank", field="dst_rank",
+                                    got=event.envelope.dst_rank, rank=self.config.rank)
         elif isinstance(event, MessageReceived) and isinstance(event.envelope.message, Watermark):
             m = event.envelope.message
             if m.rank == event.envelope.src_rank and m.rank in self.config.peers:
@@ -107,12 +119,16 @@ class RankCore(Generic[S]):
             self._dispatch(event, now_ns, actions)
 
     def next_deadline_ns(self) -> int | None:
-        """When the driver must call ``handle(Tick(), now)`` next, or None if no clock runs."""
+        """Pure: when the driver must call ``handle(Tick(), now)`` next, or None if no clock runs.
+
+        The head of the heap may be stale (its session retired): then the driver ticks a little early
+        and ``handle`` drops the entry. Called: by the engine thread and, under the lock, the watchdog.
+        """
+        if self.fatal is not None:
+            return None
         if self._carried:
             return self._now_ns  # actions of an earlier call are waiting: call handle(Tick()) now
-        while self._deadlines and self._deadlines[0][1] not in self.sessions:
-            heapq.heappop(self._deadlines)
-        return self._deadlines[0][0] if self._deadlines and self.fatal is None else None
+        return self._deadlines[0][0] if self._deadlines else None
 
     def check_fatal(self, now_ns: int) -> FailStop | None:
         """Pure: the FailStop that ``handle`` would return at ``now_ns``, without mutating anything.
@@ -179,7 +195,9 @@ class RankCore(Generic[S]):
     def _advance(self, now_ns: int, actions: list[Action]) -> None:
         """Pop due deadlines; for each live session apply its timeout, then check its fatal deadline."""
         while self._deadlines and self._deadlines[0][0] <= now_ns and self.fatal is None:
-            _, request_id = heapq.heappop(self._deadlines)
+            entry = heapq.heappop(self._deadlines)
+            self._queued.discard(entry)
+            request_id = entry[1]
             session = self.sessions.get(request_id)
             if session is None:
                 continue
@@ -194,16 +212,25 @@ class RankCore(Generic[S]):
                 return
             self._schedule(request_id, session)
 
+    def _prune(self) -> None:
+        """Drop heap heads whose session is gone, so ``next_deadline_ns`` (pure) rarely wakes for nothing."""
+        while self._deadlines and self._deadlines[0][1] not in self.sessions:
+            self._queued.discard(heapq.heappop(self._deadlines))
+
     def _schedule(self, request_id: int, session: S) -> None:
+        """Make sure the heap holds every current deadline of ``session`` (each entry once)."""
         for deadline in self._session_deadlines(session):
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, request_id))
+            entry = (deadline, request_id)
+            if deadline is not None and entry not in self._queued:
+                self._queued.add(entry)
+                heapq.heappush(self._deadlines, entry)
 
     def _session_deadlines(self, session: S) -> Iterable[int | None]:
         raise NotImplementedError
 
     def _admissible(self, request_id: int) -> bool:
-        return self.fence.admissible(request_id)
+        """Rule 5: not below the world watermark (fences compacted) nor below our own."""
+        return self.fence.admissible(request_id) and split_request_id(request_id)[0] >= self._local_watermark
 
     def _on_local_watermark(self, epoch: int, actions: list[Action]) -> None:
         from kvown.core.actions import SendControl

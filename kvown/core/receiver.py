@@ -5,7 +5,9 @@ outcome, the local completions still pending, and the retirement clock; for the 
 the admission quarantine.
 
 Theory of operation:
-  OpenReceive publishes the destination (REQUEST_DATA to every writer). Writers answer per piece
+  OpenReceive publishes the destination: REQUEST_DATA to every writer. From the moment the core
+  emits those actions each writer counts as *published*, because a send that fails may still have
+  delivered the frame (the driver resends it or fail-stops; it never reports "not sent"). Writers answer per piece
   (KV_RESULT, AUX_RESULT) and, when asked with CANCEL_SESSION, with SESSION_QUIESCED after every
   earlier result. The *logical* outcome (completed, cancelled, failed, timed out) is committed once.
   The *physical* side retires the blocks only when every published writer is settled and nothing
@@ -14,18 +16,30 @@ Theory of operation:
 
 Rules:
   1. Only a published writer's evidence counts. A result from outside the published set, from a second
-     writer claiming an already-claimed head slice, a contradictory repeat, or any result after the
+     writer touching an already-claimed head slice, a contradictory repeat, or any result after the
      writer's stream ended (except FAILED_QUIESCED for an in-doubt piece) is *invalid evidence*: the
-     session is disputed (it can never retire: it drains to a fail-stop) and admission is quarantined.
+     session is disputed (it can never retire: it drains to a fail-stop), admission is quarantined,
+     and ``handle`` returns a ``Disputed`` action. It does not raise: the dispute IS the response.
+     Only a message that changes nothing raises ``PeerProtocolError`` (unknown request, wrong stream).
+  1a. A writer *claims* its head slice with its first SUCCESS or IN_DOUBT (the only results that say
+     bytes may have moved). A FAILED result means nothing was posted for that piece: from a writer that
+     claimed nothing it is a *decline* (a broadcast candidate that was not selected, or was fenced), which
+     settles that writer with its ``is_last`` and fails the session only when no other candidate of
+     the slice can still deliver it.
   2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
      SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
   3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed;
-     from anyone else it is a ``PeerProtocolError`` (and quarantines); for an unknown request or an
-     uncommitted session it is stale or unsolicited: ignored and counted.
+     from anyone else it is invalid evidence (rule 1); for an unknown request or an uncommitted
+     session it is stale or unsolicited: ignored and counted.
   4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
   5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
      number), to every published writer not yet settled, once.
+  6. Every open claim has a fail-stop deadline, and the deadline heap holds it after every input:
+     writer claims and disputes use the session's retirement clock (request deadline + grace, or
+     drain start + grace); each local completion has its own clock, started when it was queued
+     (start + grace), so a copy queued after delivery never inherits an old deadline.
+     ``check_fatal(now)`` and ``handle(Tick(), now)`` therefore agree at every instant.
 
 Invariants:
   INV-R1: RetireBlocks(r) is emitted only when every published writer of r is settled, no local
@@ -34,7 +48,7 @@ Invariants:
   INV-R3: each (writer, piece kind, piece) result is counted at most once.
   INV-R4: after FailStop nothing retires.
 
-Tools that read this table: ``kvown.docs_gen`` (docs/state-machines.md) and tests/core/test_totality.py.
+Tools that read this table: ``kvown.apps.docs_gen`` (docs/state-machines.md) and tests/core/test_totality.py.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ from kvown.core.actions import (
     AdmissionRefused,
     Conclude,
     Deliver,
+    Disputed,
     FailStop,
     FatalReason,
     Outcome,
@@ -62,7 +77,6 @@ from kvown.core.events import (
     LocalCompletionPending,
     MessageReceived,
     OpenReceive,
-    PublicationSent,
     ReleaseRequested,
 )
 from kvown.core.fence import CancelOrigin
@@ -72,7 +86,6 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class RxState(enum.Enum):
-    PUBLISHING = "publishing"  # REQUEST_DATA queued, waiting for PublicationSent
     ACTIVE = "active"  # published; collecting evidence; no outcome yet
     DELIVERED = "delivered"  # completed: the consumer may read; waiting for release and settlement
     DRAINING = "draining"  # outcome committed; waiting for every claim to settle
@@ -81,7 +94,6 @@ class RxState(enum.Enum):
 
 
 class RxInput(enum.Enum):
-    PUBLICATION_SENT = "publication_sent"
     CANCEL = "cancel"
     RESULT = "result"
     QUIESCED = "quiesced"
@@ -93,10 +105,6 @@ class RxInput(enum.Enum):
 # (state, input) -> handler. Pairs absent here are illegal: local inputs raise LocalProtocolError,
 # peer inputs raise PeerProtocolError; either way the state is unchanged.
 RX_TRANSITIONS: dict[tuple[RxState, RxInput], str] = {
-    (RxState.PUBLISHING, RxInput.PUBLICATION_SENT): "_on_publication_sent",
-    (RxState.PUBLISHING, RxInput.CANCEL): "_on_cancel",
-    (RxState.PUBLISHING, RxInput.LOCAL_PENDING): "_on_local_pending",
-    (RxState.PUBLISHING, RxInput.LOCAL_DONE): "_on_local_done",
     (RxState.ACTIVE, RxInput.CANCEL): "_on_cancel",
     (RxState.ACTIVE, RxInput.RESULT): "_on_result",
     (RxState.ACTIVE, RxInput.QUIESCED): "_on_quiesced",
@@ -115,6 +123,7 @@ RX_TRANSITIONS: dict[tuple[RxState, RxInput], str] = {
     (RxState.DRAINING, RxInput.RELEASE): "_on_repeat_release",
 }
 PEER_INPUTS = frozenset({RxInput.RESULT, RxInput.QUIESCED})
+TOUCHING = frozenset({ResultStatus.SUCCESS, ResultStatus.IN_DOUBT})  # results that say bytes may have moved
 
 
 @dataclass(slots=True)
@@ -127,12 +136,18 @@ class _Writer:
     in_doubt: set[tuple[str, int]] = field(default_factory=set)
     stream_ended: bool = False  # a result with is_last arrived
     acked: bool = False  # SESSION_QUIESCED arrived
+    touched: bool = False  # some piece SUCCESS or IN_DOUBT: this writer claimed its slice (rule 1a)
     failed: bool = False  # some piece FAILED or went IN_DOUBT
     cancel_sent: bool = False
 
     @property
     def settled(self) -> bool:
         return (self.stream_ended or self.acked) and not self.in_doubt
+
+    @property
+    def may_deliver(self) -> bool:
+        """Still a candidate for its slice: nothing failed and its stream is still open."""
+        return not (self.failed or self.stream_ended or self.acked)
 
 
 @dataclass(slots=True)
@@ -141,21 +156,21 @@ class ReceiveSession:
     dst_blocks: tuple[int, ...]
     num_slices: int
     aux_slot: int
-    writers: dict[int, _Writer]  # the published set once publication resolves
+    writers: dict[int, _Writer]  # the published set
     clock: RetirementClock
-    state: RxState = RxState.PUBLISHING
+    state: RxState = RxState.ACTIVE
     outcome: Outcome | None = None
     reason: str = ""
     cohort: dict[int, int] = field(default_factory=dict)  # slice index -> the writer that claimed it
-    local_pending: set[int] = field(default_factory=set)
+    local_pending: dict[int, int] = field(default_factory=dict)  # token -> when it was queued (its clock)
     released: bool = False
     disputed: str = ""  # why the evidence is invalid; non-empty means it can never retire
 
+    def writer_claims(self) -> bool:
+        return bool(self.disputed) or any(not w.settled for w in self.writers.values())
+
     def has_claims(self) -> bool:
-        return bool(
-            self.disputed or self.local_pending or self.state is RxState.PUBLISHING
-            or any(not w.settled for w in self.writers.values())
-        )
+        return bool(self.local_pending) or self.writer_claims()
 
     def claims(self) -> list[str]:
         """What still blocks retirement (empty means every published writer is proven quiescent)."""
@@ -163,8 +178,6 @@ class ReceiveSession:
         out += [f"local completion {t}" for t in sorted(self.local_pending)]
         if self.disputed:
             out.append(f"disputed: {self.disputed}")
-        if self.state is RxState.PUBLISHING:
-            out.append("publication pending")
         return out
 
 
@@ -207,7 +220,6 @@ class ReceiverCore(RankCore[ReceiveSession]):
             self._cancel(event, now_ns, actions)
             return
         table = {
-            PublicationSent: RxInput.PUBLICATION_SENT,
             LocalCompletionPending: RxInput.LOCAL_PENDING,
             LocalCompletionDone: RxInput.LOCAL_DONE,
             ReleaseRequested: RxInput.RELEASE,
@@ -240,7 +252,7 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if rid in self.sessions:
             raise LocalProtocolError("request already has a live receive session", field="request_id", request_id=rid)
         if not self._admissible(rid):
-            actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the world watermark"))
+            actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the watermark"))
             return
         if self.fence.is_fenced(rid):  # born cancelled: nothing is ever published
             actions += [Conclude(rid, Outcome.CANCELLED, "fenced before publication"), RetireBlocks(rid)]
@@ -257,16 +269,17 @@ class ReceiverCore(RankCore[ReceiveSession]):
         session.clock.expose(now_ns)
         self.sessions[rid] = session
         self._schedule(rid, session)
-        for w in writers.values():
+        for w in writers.values():  # published from here on, whatever the send does (module header)
             message = RequestData(rid, self.config.rank, event.dst_blocks, w.slice_index, event.num_slices, event.aux_slot)
             actions.append(SendControl(w.rank, message))
 
-    @staticmethod
-    def _validate_open(event: OpenReceive) -> None:
+    def _validate_open(self, event: OpenReceive) -> None:
         if not is_valid_request_id(event.request_id):
             raise LocalProtocolError("invalid request id", field="request_id", request_id=event.request_id)
         if not event.writers or len(set(event.writers)) != len(event.writers):
             raise LocalProtocolError("writers must be a non-empty list of distinct ranks", field="writers")
+        if self.config.rank in event.writers:
+            raise LocalProtocolError("a rank cannot publish to itself", field="writers", rank=self.config.rank)
         if event.num_slices < 1 or len(event.writers) % event.num_slices:
             raise LocalProtocolError(
                 "the number of writers must be a multiple of num_slices", field="num_slices",
@@ -274,19 +287,6 @@ class ReceiverCore(RankCore[ReceiveSession]):
             )
         if not event.dst_blocks:
             raise LocalProtocolError("a destination needs at least one block", field="dst_blocks")
-
-    def _on_publication_sent(self, s: ReceiveSession, event: PublicationSent, now_ns: int, actions: list[Action]) -> None:
-        unknown = event.failed - s.writers.keys()
-        if unknown:
-            raise LocalProtocolError("failed writers were never published", field="failed", unknown=sorted(unknown))
-        for rank in event.failed:  # abort narrows the cohort to the writers actually published
-            del s.writers[rank]
-        s.state = RxState.ACTIVE
-        if s.outcome is None and event.failed:
-            self._commit(s, Outcome.FAILED, f"publication failed to {sorted(event.failed)}", now_ns, actions)
-        elif s.outcome is not None:  # cancelled while publishing: the cancels follow the REQUEST_DATA
-            s.state = RxState.DRAINING
-            self._send_cancels(s, actions)
 
     # ---- cancellation and release --------------------------------------------------------------
 
@@ -321,24 +321,21 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _on_result(self, s: ReceiveSession, message: KvResult | AuxResult, now_ns: int, actions: list[Action]) -> None:
         writer = s.writers.get(message.writer_rank)
         if writer is None:
-            self._dispute(s, f"result from unpublished writer {message.writer_rank}", now_ns)
-            raise PeerProtocolError(
-                "result from a writer outside the published set", field="writer_rank",
-                writer_rank=message.writer_rank, request_id=s.request_id,
-            )
+            self._dispute(s, f"result from unpublished writer {message.writer_rank}", now_ns, actions)
+            return
         key = ("aux" if isinstance(message, AuxResult) else "kv", message.piece)
         problem = self._result_problem(s, writer, key, message)
         if problem:
-            self._dispute(s, f"writer {writer.rank}: {problem}", now_ns)
-            self._count("invalid_evidence")
+            self._dispute(s, f"writer {writer.rank}: {problem}", now_ns, actions)
             return
         status = message.status
+        writer.results[key] = status
         if status is ResultStatus.FAILED_QUIESCED:
             writer.in_doubt.discard(key)
-            writer.results[key] = status
             return
-        writer.results[key] = status
-        s.cohort.setdefault(writer.slice_index, writer.rank)
+        if status in TOUCHING:  # rule 1a: this writer claims its slice
+            writer.touched = True
+            s.cohort.setdefault(writer.slice_index, writer.rank)
         if message.is_last:
             writer.stream_ended = True
         if status is ResultStatus.IN_DOUBT:
@@ -348,7 +345,10 @@ class ReceiverCore(RankCore[ReceiveSession]):
             self._commit(s, Outcome.FAILED, f"writer {writer.rank} in doubt", now_ns, actions)
         elif status is ResultStatus.FAILED:
             writer.failed = True
-            self._commit(s, Outcome.FAILED, f"writer {writer.rank} failed piece {key}", now_ns, actions)
+            if writer.touched or not self._slice_deliverable(s, writer.slice_index):
+                self._commit(s, Outcome.FAILED, f"writer {writer.rank} failed piece {key}", now_ns, actions)
+        elif writer.failed:  # a writer that failed one piece and then touched the slice with another
+            self._commit(s, Outcome.FAILED, f"writer {writer.rank} failed an earlier piece", now_ns, actions)
         elif s.outcome is None and self._complete(s):
             self._commit(s, Outcome.COMPLETED, "every slice delivered", now_ns, actions)
 
@@ -362,11 +362,16 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if writer.stream_ended or writer.acked:
             return f"result for piece {key} after its stream ended"
         claimed_by = s.cohort.get(writer.slice_index)
-        if claimed_by is not None and claimed_by != writer.rank:
+        if message.status in TOUCHING and claimed_by is not None and claimed_by != writer.rank:
             return f"slice {writer.slice_index} already delivered by writer {claimed_by}"
-        if len(s.cohort) == s.num_slices and writer.slice_index not in s.cohort:
-            return "the cohort is already complete"
         return ""
+
+    @staticmethod
+    def _slice_deliverable(s: ReceiveSession, slice_index: int) -> bool:
+        """Rule 1a: the slice is claimed, or some candidate for it may still deliver."""
+        return slice_index in s.cohort or any(
+            w.slice_index == slice_index and w.may_deliver for w in s.writers.values()
+        )
 
     @staticmethod
     def _complete(s: ReceiveSession) -> bool:
@@ -384,23 +389,22 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _on_quiesced(self, s: ReceiveSession, message: SessionQuiesced, now_ns: int, actions: list[Action]) -> None:
         writer = s.writers.get(message.writer_rank)
         if writer is None:
-            self.quarantined = self.quarantined or f"ack from unpublished writer {message.writer_rank}"
-            raise PeerProtocolError(
-                "SESSION_QUIESCED from a writer outside the published set", field="writer_rank",
-                writer_rank=message.writer_rank, request_id=s.request_id,
-            )
+            self._dispute(s, f"SESSION_QUIESCED from unpublished writer {message.writer_rank}", now_ns, actions)
+            return
         if s.outcome is None or not writer.cancel_sent:
             self._count("unsolicited_acks")
             return
         writer.acked = True
 
     def _on_local_pending(self, s: ReceiveSession, event: LocalCompletionPending, now_ns: int, actions: list[Action]) -> None:
-        s.local_pending.add(event.token)
+        if event.token in s.local_pending:
+            raise LocalProtocolError("local completion token already pending", field="token", token=event.token)
+        s.local_pending[event.token] = now_ns
 
     def _on_local_done(self, s: ReceiveSession, event: LocalCompletionDone, now_ns: int, actions: list[Action]) -> None:
         if event.token not in s.local_pending:
             raise LocalProtocolError("unknown local completion token", field="token", token=event.token)
-        s.local_pending.discard(event.token)
+        del s.local_pending[event.token]
 
     # ---- outcome, drain, retirement ------------------------------------------------------------
 
@@ -415,13 +419,10 @@ class ReceiverCore(RankCore[ReceiveSession]):
             s.state = RxState.DELIVERED
         else:
             self.fence.install(s.request_id, _ORIGIN[outcome])
-            if s.state is not RxState.PUBLISHING:
-                s.state = RxState.DRAINING
-        if s.has_claims():
+            s.state = RxState.DRAINING
+        if s.writer_claims():
             s.clock.start_drain(now_ns, reason)
-            self._schedule(s.request_id, s)  # the drain may have moved the fatal deadline earlier
-        if s.state is not RxState.PUBLISHING:
-            self._send_cancels(s, actions)
+        self._send_cancels(s, actions)
 
     def _send_cancels(self, s: ReceiveSession, actions: list[Action]) -> None:
         for w in s.writers.values():
@@ -429,20 +430,21 @@ class ReceiverCore(RankCore[ReceiveSession]):
                 w.cancel_sent = True
                 actions.append(SendControl(w.rank, CancelSession(s.request_id, self.config.rank)))
 
-    def _dispute(self, s: ReceiveSession, why: str, now_ns: int) -> None:
+    def _dispute(self, s: ReceiveSession, why: str, now_ns: int, actions: list[Action]) -> None:
+        """Rule 1: the session can never retire, admission closes, and the driver hears of it."""
         s.disputed = s.disputed or why
         s.clock.start_drain(now_ns, "invalid evidence")
         self.quarantined = self.quarantined or f"invalid evidence on request {s.request_id}: {why}"
-        self._schedule(s.request_id, s)
+        self._count("invalid_evidence")
+        actions.append(Disputed(s.request_id, why))
 
     def _settle(self, s: ReceiveSession, now_ns: int, actions: list[Action]) -> None:
-        """After any input: retire if the outcome allows it and no claim is left (INV-R1)."""
-        if s.request_id not in self.sessions or s.state in (RxState.PUBLISHING, RxState.ACTIVE):
+        """After any input: retire if the outcome allows it and no claim is left (INV-R1); else make
+        sure every open claim's deadline is in the heap (rule 6)."""
+        if s.request_id not in self.sessions:
             return
-        if s.outcome is Outcome.COMPLETED and not s.released:
-            return
-        if s.has_claims():
-            s.clock.start_drain(now_ns, "released with claims open")
+        retirable = s.outcome is not None and (s.outcome is not Outcome.COMPLETED or s.released)
+        if not retirable or s.has_claims():
             self._schedule(s.request_id, s)
             return
         s.state = RxState.RETIRED
@@ -462,7 +464,10 @@ class ReceiverCore(RankCore[ReceiveSession]):
         return request, self._fatal_deadline_ns(s)
 
     def _fatal_deadline_ns(self, s: ReceiveSession) -> int | None:
-        return s.clock.fatal_deadline_ns if s.has_claims() else None
+        deadlines = [started + self.config.grace_ns for started in s.local_pending.values()]
+        if s.writer_claims():
+            deadlines.append(s.clock.fatal_deadline_ns)  # type: ignore[arg-type]  # exposed at open
+        return min(deadlines, default=None)
 
     def _fatal_action(self, request_id: int, s: ReceiveSession) -> FailStop:
         return FailStop(

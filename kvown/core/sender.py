@@ -22,7 +22,10 @@ Rules:
   3. SESSION_QUIESCED for a receiver is emitted only when none of that stream's operations is
      ADMITTED, SUBMITTING, SUBMITTED or IN_DOUBT, and after every earlier result on the stream.
   4. A cancel for a request with no session installs the fence and acknowledges at once; a later
-     session for a fenced id is born cancelled and posts nothing.
+     session for a fenced id is born cancelled and posts nothing. A publication that can never be
+     served - its id is fenced here (before or after it arrived), or its block count differs from the
+     session's - is answered at once with a final FAILED result (nothing was posted), never dropped
+     silently: the receiver must not wait out its timeout for a writer that already knows.
   5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
 
 Invariants:
@@ -50,7 +53,7 @@ from kvown.core.actions import (
     SendControl,
 )
 from kvown.core.deadline import RetirementClock
-from kvown.core.errors import LocalProtocolError, PeerProtocolError
+from kvown.core.errors import InvariantViolation, LocalProtocolError, PeerProtocolError
 from kvown.core.events import (
     CancelRequested,
     Event,
@@ -216,7 +219,7 @@ class SenderCore(RankCore[SendSession]):
             actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the world watermark"))
             return
         if self.fence.is_fenced(rid):  # born cancelled (rule 4)
-            self._saved.pop(rid, None)
+            self._decline_saved(rid, actions)
             actions += [Conclude(rid, Outcome.CANCELLED, "fenced before the session opened"), ReleaseSource(rid)]
             self._count("born_cancelled")
             return
@@ -226,6 +229,10 @@ class SenderCore(RankCore[SendSession]):
         )
         self.sessions[rid] = session
         for src, request in self._saved.pop(rid, {}).items():
+            if len(request.dst_blocks) != len(session.src_blocks):  # the check a live publication gets
+                self._count("invalid_publications")
+                actions.append(SendControl(src, _declined(self.config.rank, rid)))
+                continue
             self._attach(session, request, src, now_ns, actions)
 
     def _on_request_data(self, request: RequestData, src: int, now_ns: int, actions: list[Action]) -> None:
@@ -247,7 +254,7 @@ class SenderCore(RankCore[SendSession]):
                 )
             self._attach(session, request, src, now_ns, actions)
         elif self.fence.is_fenced(rid):  # fenced and no session: refuse the whole stream at once
-            actions.append(SendControl(src, KvResult(self.config.rank, rid, 0, True, ResultStatus.FAILED, 0)))
+            actions.append(SendControl(src, _declined(self.config.rank, rid)))
         else:
             if src in self._saved.get(rid, {}):
                 raise PeerProtocolError("second REQUEST_DATA on one stream", field="request_id", request_id=rid)
@@ -305,6 +312,9 @@ class SenderCore(RankCore[SendSession]):
         self._schedule(s.request_id, s)
 
     def _post_action(self, s: SendSession, request: RequestData, op: Operation) -> PostWrite:
+        if len(request.dst_blocks) != len(s.src_blocks):  # every attach path checked this (rule 4)
+            raise InvariantViolation("PostWrite with a destination of another length", request_id=s.request_id,
+                                     src=len(s.src_blocks), dst=len(request.dst_blocks))
         if op.kind is PieceKind.AUX:
             return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, (), (),
                              request.slice_index, request.num_slices, request.aux_slot)
@@ -378,6 +388,13 @@ class SenderCore(RankCore[SendSession]):
         if s is not None:
             self._conclude(s, Outcome.CANCELLED, f"cancelled ({event.origin.name.lower()})", now_ns, actions)
             self._after_progress(s, now_ns, actions)
+        else:
+            self._decline_saved(rid, actions)
+
+    def _decline_saved(self, rid: int, actions: list[Action]) -> None:
+        """Rule 4: publications waiting for a session that can now never open get their final answer."""
+        for src in self._saved.pop(rid, {}):
+            actions.append(SendControl(src, _declined(self.config.rank, rid)))
 
     # ---- results, acks, outcome ----------------------------------------------------------------
 
@@ -467,6 +484,11 @@ class SenderCore(RankCore[SendSession]):
             saved = self._saved.get(request_id, {})
             return receiver_rank in saved and not self.fence.is_fenced(request_id) and not self.poisoned
         return any(op.state in LIVE for op in stream.ops)
+
+
+def _declined(writer: int, rid: int) -> KvResult:
+    """The final answer to a publication that will never be served: nothing was or will be posted."""
+    return KvResult(writer, rid, 0, True, ResultStatus.FAILED, 0)
 
 
 def _result(writer: int, rid: int, op: Operation, last: bool, status: ResultStatus) -> KvResult | AuxResult:

@@ -1,7 +1,7 @@
 """Runtime configuration: every knob kvown reads, validated before anything starts.
 
-Owns: ``TransferConfig`` (per-world settings) and ``PeerInfo`` (what each rank learns about another at
-start-up).
+Owns: ``TransferConfig`` (per-world settings). What ranks learn about each other at start-up is
+``kvown.adapters.transport.PeerInfo``.
 
 Rules:
   1. Timeouts are seconds in the API and integer nanoseconds in the core; both conversions refuse
@@ -21,6 +21,16 @@ from kvown.core.errors import ConfigError
 from kvown.core.machine import CoreConfig
 
 
+def _port_from_env(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError("must be a TCP port number (or empty to disable)", field=name, value=raw) from None
+
+
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Settings shared by every rank of a kvown world."""
@@ -33,9 +43,13 @@ class TransferConfig:
     flight_capacity: int = 4096  # events kept by the flight recorder
     spin_s: float = 0.002  # keep yield-polling this long after the last progress
     idle_sleep_s: float = 200e-6  # then nap this long between polls (0: never nap, only sched_yield)
-    fault: str = field(default_factory=lambda: os.environ.get("KVOWN_FAULT", ""))  # fault injection
+    # Fault injection (tests, demo): None = none; a plan text wraps the transport in
+    # kvown.testing.faults.FaultyTransport (see there); "" installs the wrapper with an empty plan.
+    fault: str | None = field(default_factory=lambda: os.environ.get("KVOWN_FAULT"))
     # Prometheus /metrics on 127.0.0.1:(metrics_port + rank); 0 disables.
-    metrics_port: int = field(default_factory=lambda: int(os.environ.get("KVOWN_METRICS_PORT", "0") or 0))
+    metrics_port: int = field(default_factory=lambda: _port_from_env("KVOWN_METRICS_PORT"))
+    canary: bool = False  # stamp retired blocks and verify them before reuse (kvown.cache.canary)
+    control_retry_s: float = 1.0  # resend a control frame whose send raised for this long, then fail-stop
 
     def __post_init__(self) -> None:
         timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")
@@ -47,6 +61,11 @@ class TransferConfig:
                 raise ConfigError("must be a positive integer", field=name, value=value)
         if type(self.metrics_port) is not int or not (0 <= self.metrics_port < 65536):
             raise ConfigError("metrics_port must be 0 (off) or a TCP port", field="metrics_port", value=self.metrics_port)
+        if not isinstance(self.canary, bool):
+            raise ConfigError("canary must be True or False", field="canary", value=self.canary)
+        if self.fault is not None and not isinstance(self.fault, str):
+            raise ConfigError("fault must be a plan text or None", field="fault", value=self.fault)
+        timeout_ns_from_s(self.control_retry_s, field="control_retry_s")
         for name in ("spin_s", "idle_sleep_s"):
             if not (0 <= getattr(self, name) <= 0.1):
                 raise ConfigError("must be in [0, 0.1] seconds", field=name, value=getattr(self, name))
@@ -55,28 +74,3 @@ class TransferConfig:
         timeout_ns = timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")
         grace = self.grace_s if self.grace_s is not None else self.transfer_timeout_s
         return CoreConfig(rank, timeout_ns, timeout_ns_from_s(grace, field="grace_s"), peers)
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """What one rank publishes about itself at start-up (exchanged by allgather or rendezvous)."""
-
-    rank: int
-    agent_name: str
-    agent_metadata: bytes
-    pool_addr: int
-    pool_nbytes: int
-    aux_addr: int
-    geometry_digest: str
-    protocol_version: int
-    capabilities: tuple[str, ...]
-    mem_kind: str  # "DRAM" or "VRAM"
-
-    def to_wire(self) -> list:
-        return [self.rank, self.agent_name, self.agent_metadata, self.pool_addr, self.pool_nbytes,
-                self.aux_addr, self.geometry_digest, self.protocol_version, list(self.capabilities), self.mem_kind]
-
-    @classmethod
-    def from_wire(cls, obj: list) -> PeerInfo:
-        rank, name, md, pool_addr, pool_nbytes, aux_addr, digest, version, caps, mem = obj
-        return cls(rank, name, bytes(md), pool_addr, pool_nbytes, aux_addr, digest, version, tuple(caps), mem)

@@ -4,7 +4,13 @@ Owns: the exit codes, the order of the fatal path, the kill route (``Abort`` on 
 communicator, then a same-host SIGKILL sweep, then SIGKILL of self), and the launcher-SIGTERM dump.
 
 Rules:
-  1. The fatal path runs on a kvown watchdog thread, never on the engine thread, and never blocks
+  0. ``request(action)`` is how the engine and the watchdogs ask for a kill: it wakes the executor's
+     own pre-started ``kvown-failstop`` thread (starting a thread on the fatal path is an unbounded
+     wait) and then waits, bounded, for the kill to be dispatched; if the worker did not dispatch it
+     in time (dead, starved), the requesting thread executes the kill itself. The owning
+     ``RankRuntime``'s exit hook does the same from the main thread when the program ends while a
+     kill is pending, so no daemon thread is ever the only road to the kill.
+  1. The fatal path runs on a kvown thread, never inside a core call, and never blocks
      on anything it does not bound: diagnostics (flight recorder dump + one stderr line) run on a
      daemon thread, started when the executor is built (starting a thread is itself an unbounded
      wait), and waited for at most ``dump_join_s`` (0.5 s); then the kill is dispatched whatever the
@@ -56,7 +62,8 @@ class ExitCode(enum.IntEnum):
     INVARIANT = 76  # an INV-* check failed
     ENGINE_CRASH = 77  # an exception escaped a kvown thread
     HANG = 78  # the heartbeat lapsed (Python watcher)
-    RANK_CRASH = 137  # the embedding server's executor loop died
+    RANK_CRASH = 137  # the embedding server's executor loop died, or a rank left its program early
+    CONTROL_LOST = 79  # a control frame could not be sent within the resend budget
 
 
 def exit_code_for(reason: FatalReason) -> ExitCode:
@@ -141,6 +148,40 @@ class FailStopExecutor:
             self._dump_thread.start()
         except RuntimeError:  # cannot start threads: the fatal path will skip diagnostics and kill
             self._dump_thread = None
+        self._requested: FailStop | None = None
+        self._request_event = threading.Event()
+        self._dispatched = threading.Event()
+        self._worker: threading.Thread | None = threading.Thread(
+            target=self._execute_when_requested, name="kvown-failstop", daemon=True
+        )
+        try:
+            self._worker.start()
+        except RuntimeError:
+            self._worker = None
+
+    @property
+    def requested(self) -> FailStop | None:
+        """The kill asked for by ``request`` (or executed), if any. Called: any thread."""
+        return self._requested or self.action
+
+    def request(self, action: FailStop, *, backstop_s: float | None = None) -> None:
+        """Rule 0: have the world killed for ``action``; returns once the kill was dispatched or, if the
+        worker did not dispatch it within ``backstop_s`` (default: dump bound + 1 s), after executing it
+        on the calling thread. Called: by the engine and watchdog threads, and the exit hook.
+        After error: never raises.
+        """
+        if self._requested is None:
+            self._requested = action
+        self._request_event.set()
+        bound = self._dump_join_s + 1.0 if backstop_s is None else backstop_s
+        if self._worker is None or not self._dispatched.wait(bound):
+            self.execute(self._requested)
+
+    def _execute_when_requested(self) -> None:
+        while not self._request_event.wait(timeout=3600.0):  # parked until asked (daemon: never joined)
+            pass
+        if self._requested is not None:
+            self.execute(self._requested)
 
     @property
     def fired(self) -> bool:
@@ -165,6 +206,7 @@ class FailStopExecutor:
             pass
         try:
             self.kill_dispatched_at_ns = self._clock()
+            self._dispatched.set()
             self._kill(self.world, self.exit_code if self.exit_code is not None else ExitCode.ENGINE_CRASH)
         except BaseException as exc:  # noqa: BLE001
             self.kill_error = exc

@@ -74,8 +74,17 @@ def register(engine: Any, registry: CollectorRegistry | None = None) -> Collecto
     return registry
 
 
-def serve(engine: Any, port: int, addr: str = "127.0.0.1") -> CollectorRegistry:
-    """Expose ``/metrics`` on ``addr:port`` (loopback by default). Called: once per rank."""
-    registry = register(engine)
-    start_http_server(port, addr=addr, registry=registry)
-    return registry
+def serve(engine: Any, port: int, addr: str = "127.0.0.1") -> Any:
+    """Expose ``/metrics`` on ``addr:port`` (loopback by default); returns the HTTP server (``shutdown()``).
+
+    ``engine`` is anything with ``statistics()``; it is read only when Prometheus scrapes.
+    Called: once per rank, at start-up. After error: ``ConfigError`` naming the port (busy, refused).
+    """
+    from kvown.core.errors import ConfigError
+
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=register(engine))
+    except OSError as exc:
+        raise ConfigError("cannot serve metrics on this port", field="metrics_port", port=port,
+                          error=str(exc), fix="pick a free KVOWN_METRICS_PORT (rank r serves port + r)") from exc
+    return server

@@ -20,6 +20,13 @@ Rules:
   5. Fault knobs (``WriteFault``, ``NotifFault``) are consumed in FIFO order by the first matching
      post / notification; each applies ``count`` times.
 
+  6. What real NIXL does that a naive fake would not, each reachable by a knob: ``send_notif``
+     raising after it delivered (``NotifFault.raise_after``) or before (``raise_before``),
+     duplicated notifications (``dup``), a transfer that reports ERROR and later DONE
+     (``FakeOutcome.ERR_THEN_DONE``), ``get_new_notifs`` raising (``fail_get_notifs``), ``release``
+     failing (``fail_release``), and a WRITE whose bytes land inside ``transfer()`` (as UCX's
+     ``cma`` does) rather than at completion (``p_land_at_post``).
+
 Invariants:
   INV-FAKE-1  A write reported DONE has landed all its bytes and will never land again.
   INV-FAKE-2  A write whose fault says ``land_after_ticks=k`` lands exactly once, k ticks after its
@@ -57,6 +64,7 @@ class FakeOutcome(enum.Enum):
     DONE = "done"
     ERR = "err"
     RAISE = "raise"  # check_xfer_state raises (each time)
+    ERR_THEN_DONE = "err_then_done"  # "ERR" for ``err_polls`` polls, then "DONE" (bytes land then)
 
 
 @dataclass
@@ -75,6 +83,7 @@ class WriteFault:
     delay_polls: int = 1
     outcome: FakeOutcome = FakeOutcome.DONE
     land_after_ticks: int | None = None
+    err_polls: int = 1  # ERR_THEN_DONE: how many polls say "ERR" before "DONE"
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.delay_polls < 0:
@@ -85,17 +94,21 @@ class WriteFault:
 
 @dataclass
 class NotifFault:
-    """One injected notification behaviour: drop it, or hide it from ``delay_drains`` drains."""
+    """One injected notification behaviour: drop it, hide it from ``delay_drains`` drains, deliver it
+    twice, or make ``send_notif`` raise after delivering it (``raise_after``) or instead (``raise_before``)."""
 
     src: str | None = None
     dst: str | None = None
     count: int = 1
     drop: bool = False
     delay_drains: int = 0
+    dup: bool = False
+    raise_after: bool = False
+    raise_before: bool = False
 
 
 class _Xfer:
-    __slots__ = ("src", "dst", "pieces", "notif", "fault", "polls", "landed", "finished", "failed_seen")
+    __slots__ = ("src", "dst", "pieces", "notif", "fault", "polls", "landed", "finished", "failed_seen", "err_seen")
 
     def __init__(self, src: str, dst: str, pieces: list[tuple[int, int, int]], notif: bytes,
                  fault: WriteFault) -> None:
@@ -104,6 +117,7 @@ class _Xfer:
         self.landed = False
         self.finished = False  # reported DONE
         self.failed_seen = False  # a failure was reported and its late landing scheduled
+        self.err_seen = 0  # ERR_THEN_DONE: "ERR" answers given so far
 
 
 class _Dlist:
@@ -119,11 +133,17 @@ class FakeFabric:
     Called: created once per test / simulated world; knobs set by the test between steps.
     """
 
-    def __init__(self, default_delay_polls: int = 1) -> None:
+    def __init__(self, default_delay_polls: int = 1, *, rng: Any = None, p_land_at_post: float = 0.0) -> None:
         self.default_delay_polls = default_delay_polls
         self.write_faults: list[WriteFault] = []
         self.notif_faults: list[NotifFault] = []
         self.ticks = 0
+        self.fail_get_notifs = 0  # the next N get_new_notifs calls raise
+        self.fail_release = 0  # the next N release_xfer_handle calls raise
+        self.rng = rng  # with p_land_at_post: a WRITE's bytes land inside transfer() (UCX cma)
+        self.p_land_at_post = p_land_at_post
+        self._xfers: list[_Xfer] = []  # every posted WRITE not yet reported DONE (for oracles)
+        self._posted: list[_Xfer] = []  # WRITEs posted since the last take_posted() (for oracles)
         self._agents: dict[str, _FakeAgent] = {}
         self._ghosts: list[list[Any]] = []  # [ticks_left, _Xfer]: failed writes still to land
 
@@ -132,6 +152,17 @@ class FakeFabric:
 
     def inject_notif(self, fault: NotifFault) -> None:
         self.notif_faults.append(fault)
+
+    def unfinished_writes(self) -> list[tuple[str, str, list[tuple[int, int, int]]]]:
+        """(src agent, dst agent, pieces) of every posted WRITE not reported DONE: each may still touch
+        its destination (a failed one is in doubt, whatever its fate). For simulator oracles."""
+        self._xfers = [x for x in self._xfers if not x.finished]
+        return [(x.src, x.dst, x.pieces) for x in self._xfers]
+
+    def take_posted(self) -> list[tuple[str, list[tuple[int, int, int]]]]:
+        """(src agent, pieces) of every WRITE created since the last call. For simulator oracles."""
+        posted, self._posted = self._posted, []
+        return [(x.src, x.pieces) for x in posted]
 
     @property
     def pending_ghosts(self) -> int:
@@ -174,21 +205,22 @@ class FakeFabric:
                 return f
         return WriteFault(delay_polls=self.default_delay_polls)
 
-    def _deliver(self, src: str, dst: str, payload: bytes) -> None:
-        target = self._agents.get(dst)
-        if target is None:
-            return  # the peer is gone: lost on the wire
-        delay = 0
+    def _take_notif_fault(self, src: str, dst: str) -> NotifFault | None:
         for f in self.notif_faults:
             if f.src in (None, src) and f.dst in (None, dst):
                 f.count -= 1
                 if f.count == 0:
                     self.notif_faults.remove(f)
-                if f.drop:
-                    return
-                delay = f.delay_drains
-                break
-        target.inbox.append([delay, src, bytes(payload)])
+                return f
+        return None
+
+    def _deliver(self, src: str, dst: str, payload: bytes, fault: NotifFault | None = None) -> None:
+        target = self._agents.get(dst)
+        if target is None or (fault is not None and fault.drop):
+            return  # the peer is gone, or the frame was lost on the wire
+        delay = fault.delay_drains if fault is not None else 0
+        for _ in range(2 if fault is not None and fault.dup else 1):
+            target.inbox.append([delay, src, bytes(payload)])
 
 
 def _land(x: _Xfer) -> None:
@@ -199,7 +231,17 @@ def _land(x: _Xfer) -> None:
         ctypes.memmove(raddr, laddr, nbytes)
 
 
+def _rows(descs: Any) -> list[tuple[int, int]]:
+    """(addr, nbytes) rows of an Nx3 array or a list of 3-tuples."""
+    if isinstance(descs, np.ndarray):
+        return descs[:, :2].tolist()  # [addr, nbytes] lists unpack like tuples
+    return [(int(a), int(n)) for a, n, _ in descs]
+
+
 def _covered(rows: list[tuple[int, int]], regions: list[tuple[int, int]]) -> bool:
+    if len(regions) == 1:  # the common case, checked without a per-row scan of the regions
+        (a, rn), = regions
+        return all(a <= addr and addr + n <= a + rn for addr, n in rows)
     return all(any(a <= addr and addr + n <= a + rn for a, rn in regions) for addr, n in rows)
 
 
@@ -259,7 +301,7 @@ class _FakeAgent:
     def get_xfer_descs(self, descs: Any, mem: str) -> _Dlist:  # Nx3 array or list of 3-tuples
         if mem != "DRAM":
             raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
-        return _Dlist([(int(a), int(n)) for a, n, _ in descs], None)
+        return _Dlist(_rows(descs), None)
 
     def _check_sides(self, lrows: list[tuple[int, int]], rrows: list[tuple[int, int]], peer: str) -> None:
         if peer not in self.peer_regions:
@@ -275,7 +317,10 @@ class _FakeAgent:
         if fault.at is FaultPoint.PREP:
             raise RuntimeError("NIXL_ERR_BACKEND: injected failure preparing the transfer")
         pieces = [(la, ra, n) for (la, n), (ra, _) in zip(lrows, rrows)]
-        return _Xfer(self.name, peer, pieces, bytes(notif), fault)
+        x = _Xfer(self.name, peer, pieces, bytes(notif), fault)
+        self.fabric._xfers.append(x)
+        self.fabric._posted.append(x)
+        return x
 
     def initialize_xfer(self, op: str, ldl: _Dlist, rdl: _Dlist, peer: str, notif: bytes = b"") -> _Xfer:
         self.fabric._tick()
@@ -287,7 +332,7 @@ class _FakeAgent:
         self.fabric._tick()
         if mem != "DRAM":
             raise RuntimeError("NIXL_ERR_BACKEND: fake fabric moves host memory only")
-        rows = [(int(a), int(n)) for a, n, _ in descs]
+        rows = _rows(descs)
         local = agent == "NIXL_INIT_AGENT"
         if not local and agent not in self.peer_regions:
             raise RuntimeError(f"NIXL_ERR_NOT_FOUND: metadata for remote agent {agent!r} not found")
@@ -303,8 +348,8 @@ class _FakeAgent:
                           notif: bytes = b"") -> _Xfer:
         self.fabric._tick()
         assert op == "WRITE" and rp.agent is not None
-        lrows = [lp.rows[int(i)] for i in li]
-        rrows = [rp.rows[int(i)] for i in ri]
+        lrows = [lp.rows[i] for i in li.tolist()]
+        rrows = [rp.rows[i] for i in ri.tolist()]
         self._check_sides(lrows, rrows, rp.agent)
         return self._new_xfer(lrows, rrows, rp.agent, notif)
 
@@ -321,6 +366,9 @@ class _FakeAgent:
             x.failed_seen = True
             self.fabric._schedule(x, f.land_after_ticks)
             return "ERR"
+        fabric = self.fabric
+        if fabric.rng is not None and fabric.p_land_at_post and fabric.rng.random() < fabric.p_land_at_post:
+            _land(x)  # the copy happens inside the post (cma); completion is still reported later
         if f.delay_polls == 0 and f.outcome is FakeOutcome.DONE:
             self._finish(x)
             return "DONE"
@@ -336,9 +384,12 @@ class _FakeAgent:
         x.polls += 1
         if x.polls <= f.delay_polls:
             return "PROC"
-        if f.outcome is FakeOutcome.DONE:
+        if f.outcome is FakeOutcome.DONE or (f.outcome is FakeOutcome.ERR_THEN_DONE and x.err_seen >= f.err_polls):
             self._finish(x)
             return "DONE"
+        if f.outcome is FakeOutcome.ERR_THEN_DONE:
+            x.err_seen += 1
+            return "ERR"
         if not x.failed_seen:
             x.failed_seen = True
             self.fabric._schedule(x, f.land_after_ticks)
@@ -351,11 +402,14 @@ class _FakeAgent:
         self.fabric._ghosts = [g for g in self.fabric._ghosts if g[1] is not x]
         x.finished = True
         if x.notif:
-            self.fabric._deliver(x.src, x.dst, x.notif)
+            self.fabric._deliver(x.src, x.dst, x.notif, self.fabric._take_notif_fault(x.src, x.dst))
 
     def release_xfer_handle(self, x: _Xfer) -> None:
         self.fabric._tick()
-        if not x.finished and not x.failed_seen and x.fault.at is FaultPoint.NONE:
+        if self.fabric.fail_release > 0:
+            self.fabric.fail_release -= 1
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure releasing the handle")
+        if not x.finished and not x.failed_seen and x.err_seen == 0 and x.fault.at is FaultPoint.NONE:
             raise RuntimeError("NIXL_ERR_REPOST_ACTIVE: transfer still in progress")
         # A released failed write may still land later: its ghost stays scheduled (INV-FAKE-2).
 
@@ -364,10 +418,18 @@ class _FakeAgent:
         self.fabric._tick()
         if peer not in self.peer_regions:
             raise RuntimeError("NIXL_ERR_NOT_FOUND: no backend could send the notification")
-        self.fabric._deliver(self.name, peer, payload)
+        fault = self.fabric._take_notif_fault(self.name, peer)
+        if fault is not None and fault.raise_before:
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure before sending the notification")
+        self.fabric._deliver(self.name, peer, payload, fault)
+        if fault is not None and fault.raise_after:
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure after the notification left")
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self.fabric._tick()
+        if self.fabric.fail_get_notifs > 0:
+            self.fabric.fail_get_notifs -= 1
+            raise RuntimeError("NIXL_ERR_BACKEND: injected failure in getNotifs")
         out: dict[str, list[bytes]] = {}
         keep = []
         for item in self.inbox:

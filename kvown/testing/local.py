@@ -1,9 +1,9 @@
 """Several kvown ranks in one process over real NIXL: for tests, examples and embedding projects.
 
-Owns: nothing beyond what it builds. Each rank gets its own NIXL agent, pool and engine thread, so
-the single-writer rule holds per rank exactly as in a real world; only the MPI fail-stop route is
-replaced: ``kill`` (default: record the FailStop and do nothing) receives what would have been the
-world kill, so a test can assert a fail-stop without dying.
+Owns: nothing beyond what it builds. Each rank gets its own NIXL agent, pool, driver and engine
+thread, so the single-writer rule holds per rank exactly as in a real world; only the MPI fail-stop
+route is replaced: ``kill`` (default: record the FailStop and do nothing) receives what would have
+been the world kill, so a test can assert a fail-stop without dying.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import secrets
 from typing import Callable
 
 from kvown.cache.layout import KVLayout
-from kvown.runtime.bootstrap import RankRuntime, _make_local, _start
+from kvown.rank import LocalRank, RankRuntime, _launch, _roles, _start
 from kvown.runtime.config import TransferConfig
 
 
@@ -33,18 +33,22 @@ def local_world(
     config: TransferConfig | None = None,
     kill: Callable[[object, int], None] | None = None,
 ) -> dict[int, RankRuntime]:
-    """Start one engine per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``).
+    """Start one runtime per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``).
 
-    Called: once per test. Stop each with ``rt.close()`` (after every session retired).
+    Called: once per test. Stop each with ``rt.close()``.
     """
     config = config or TransferConfig()
     key = secrets.token_bytes(32)
     job = secrets.token_hex(4)
     kill = kill if kill is not None else KillRecorder()
-    built = {rank: _make_local(rank, layout, config, "cpu", job) for rank in roles}
-    infos = {rank: parts[3] for rank, parts in built.items()}
+    built = {rank: LocalRank.build(rank, layout, config, _roles(r), "cpu", job) for rank, r in roles.items()}
+    for local in built.values():
+        local.bind_metrics()
     out = {}
-    for rank, (pool, aux, endpoint, _info) in built.items():
-        peers = {r: info for r, info in infos.items() if r != rank}
-        out[rank] = _start(rank, peers, endpoint, pool, aux, key, config, roles[rank], None, layout, kill=kill)
+    for rank, local in built.items():
+        peers = {r: other.transport.info for r, other in built.items() if r != rank}
+        local.transport.connect(peers)
+        out[rank] = _start(local, peers, key, None, kill=kill)
+    for rt in out.values():
+        _launch(rt)
     return out

@@ -1,91 +1,80 @@
-"""A seeded, single-threaded simulated world for the protocol core (FoundationDB-style).
+"""A seeded, single-threaded simulated world that runs the real drivers (FoundationDB-style).
 
-Owns: a set of ``SenderCore`` and ``ReceiverCore`` ranks, the simulated integer-ns clock, an in-memory
-control bus, a fake RDMA fabric, a simple block pool per receiver, and a workload of requests. Nothing
-here touches the real clock, threads or sockets; one ``random.Random(seed)`` makes every decision, so
-a seed is a test case and replays exactly.
+Owns: one ``Driver`` per rank with everything it runs on in production - the real embedding API
+facades (``kvown.api``), commands, cores, streams, codec, ``KVTransport`` and ``NixlEndpoint`` code,
+``KVPool`` with real bytes and retirement canaries - over the fake NIXL *library*
+(``kvown.testing.fake_nixl``) and a fault-injecting transport wrapper (``kvown.testing.faults``).
+Plus the simulated integer-ns clock, the embedding servers' behaviour (the workload) and the oracles.
+Nothing here reads the real clock, sleeps or starts a thread; one ``random.Random(seed)`` makes
+every decision, so a seed is a test case and replays exactly.
 
 Rules:
-  1. The real protocol code runs: every control frame goes through ``OutboundStreams.stamp``, the real
-     codec (``kvown.adapters.codec.encode``/``decode`` with HMAC) and ``InboundStreams.deliver``.
-  2. The bus delays (and so reorders), duplicates, corrupts (an extra, bit-flipped copy) and, in some
-     seeds, drops frames. A dropped frame leaves a permanent gap in its stream: everything after it is
-     held, so the sessions it serves must end in a fail-stop, never in a retirement.
-  3. The fabric turns ``PostWrite`` into a write that later completes (DONE), is refused
-     (NOT_SUBMITTED), raises while posting (in doubt) or fails (in doubt); an in-doubt write either
-     lands later (late DONE on the same op) or never does, and then may touch memory forever. A write
-     of a dead rank never reports again and may touch memory forever.
-  4. The clock jumps to the next queued event or the earliest ``next_deadline_ns()`` of a live rank,
-     whichever is first (deadlines first on a tie), and never goes backwards.
-  5. An exception from a core on an honest input is a finding (``InvariantViolation``); only frames
-     the simulator forged on purpose (impostor acks, corrupted copies) may be rejected.
+  1. The code under test is the production code: the simulator only submits API calls, advances the
+     clock, signals ready tokens, kills ranks and calls ``driver.step(now)``.
+  2. Faults come from the wrapper (frames dropped, duplicated, corrupted, delayed and so reordered;
+     sends that raise before or after sending; receives and releases that raise; WRITEs refused,
+     in doubt, failing then finishing or never, slow or stuck) and from the fake library (bytes that
+     land inside the post or at completion). Ranks die. Clients cancel on either side at any time,
+     consumers are slow, local copies are queued after delivery, cancelled ids are opened again, and
+     insiders forge acks for other writers.
+  3. The clock jumps to the earliest of: the next workload event, a rank's core deadline, a rank's
+     held frame or WRITE becoming due. Ranks with work are stepped until quiet at each instant.
+  4. Oracles read state directly (raw attributes, the fake fabric, the bytes in the pools), never
+     through core methods a mutant may patch.
 
-Invariants checked after every step (``InvariantViolation`` carries the seed and the decision log):
-  (a) no RetireBlocks while a published writer may still write: no fabric write that may touch the
-      destination, no REQUEST_DATA to a live writer still on the bus or held in its stream, and no
-      sender core that ``may_write(rid, receiver)``;
-  (b) a rank handed a time past min(first drain trigger, exposure + timeout) + grace has fail-stopped
-      or no longer has claims for that session; the drain start never moves (INV-D2); at the end every
-      session of a live, non-fatal rank is gone (retired / released);
-  (c) no evidence counted twice: each (src, dst, seq) frame and each (writer, request, piece, status)
-      result reaches a core at most once;
-  (d) fences never reopen, and a session opened for a fenced id is born cancelled;
-  (e) pool accounting ``total == free + owned + held``; a write that lands on a block not owned by its
-      request is reported as corruption;
-  (f) a write is posted only after its source piece's write-ready event (INV-S1).
+Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log):
+  (a) no retirement while a published writer may still write: no unfinished WRITE from any rank
+      targets the retired blocks, no REQUEST_DATA for the request is on its way to a live writer,
+      and no live writer's core still holds an operation or a publication for it;
+  (b) deadlines: ``check_fatal(now)`` is None for every rank that was just stepped at ``now`` and did
+      not latch a fail-stop (the watchdog and the engine agree); no claim outlives its bound
+      (min(first conclusion, exposure + T) + grace for writers, queue time + grace for a local
+      copy); the drain start of a session never moves;
+  (c) no evidence counted twice: no (src, seq) frame delivered twice, and no dispute in a world with
+      no forgers of results;
+  (d) fences never reopen (raw fence tables), and a session opened for a fenced id is born cancelled;
+  (e) pool accounting total == free + owned + held; every landed request's blocks and aux hold
+      exactly what its writers wrote; no INVARIANT fail-stop (broken canary, pool bookkeeping);
+  (f) no WRITE reads a source piece before its ready token was signalled;
+  (g) no stream hole: a frame whose send raised is sent again within the resend budget, or its rank
+      fail-stops.
+  At the end: every session of a live, non-fatal rank is gone, its pool is all free, and every
+  free block still carries its canary.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
 import heapq
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+import torch
+
 from kvown.adapters import codec
-from kvown.core.actions import (
-    Action,
-    AdmissionRefused,
-    Conclude,
-    Deliver,
-    FailStop,
-    Outcome,
-    PieceKind,
-    PostWrite,
-    ReleaseSource,
-    RetireBlocks,
-    SendControl,
-)
-from kvown.core.errors import InvariantViolation, KvownError, PeerProtocolError
-from kvown.core.events import (
-    CancelRequested,
-    Event,
-    MessageReceived,
-    OpenReceive,
-    OpenSend,
-    PublicationSent,
-    ReleaseRequested,
-    SourceReady,
-    Tick,
-    WriteCompleted,
-    WriteFailed,
-    WriteNotSubmitted,
-    WriteSubmitFailed,
-    WriteSubmitted,
-)
-from kvown.core.fence import CancelOrigin
-from kvown.core.ids import make_request_id
-from kvown.core.machine import CoreConfig
-from kvown.core.messages import CancelSession, KvResult, AuxResult, RequestData, SessionQuiesced
-from kvown.core.receiver import ReceiverCore
-from kvown.core.sender import SenderCore
-from kvown.core.streams import InboundStreams, OutboundStreams
+from kvown.adapters.transport import KVTransport, Role
+from kvown.api import Receiver, Sender
+from kvown.cache.layout import KVLayout
+from kvown.cache.pool import KVPool
+from kvown.core.actions import FailStop, FatalReason, Outcome
+from kvown.core.errors import InvariantViolation, KvownError
+from kvown.core.ids import make_request_id, split_request_id
+from kvown.core.messages import RequestData, SessionQuiesced
+from kvown.core.sender import LIVE
+from kvown.runtime.commands import ReceiveHandle, SendHandle, Ticket
+from kvown.runtime.config import TransferConfig
+from kvown.runtime.driver import Driver
+from kvown.runtime.engine import Engine
+from kvown.runtime.flight import FlightRecorder
+from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
+from kvown.testing.faults import FaultProfile, FaultyTransport
 
 JOB_KEY = b"kvown-sim-job-key-0123456789abcdef"
 LOG_LINES = 40
+NS = 1e-9  # TransferConfig speaks seconds; the simulated clock counts integer ns
+SETTLE_ROUNDS = 10_000  # per instant: far above what a world of a dozen ranks needs
 
 
 @dataclass(frozen=True)
@@ -95,27 +84,33 @@ class SimConfig:
     num_senders: int = 6
     num_receivers: int = 2
     num_requests: int = 12
-    blocks_per_receiver: int = 40
+    num_blocks: int = 40
     aux_slots: int = 3
     timeout_ns: int = 600
     grace_ns: int = 400
-    max_delay_ns: int = 20
+    control_retry_ns: int = 150
+    frame_delay_ns: tuple[int, int] = (1, 20)
+    write_ns: tuple[int, int] = (1, 40)
     arrival_ns: int = 60  # mean gap between request arrivals
-    p_slow: float = 0.02  # a frame or completion takes 10x longer
+    p_slow: float = 0.02
     p_dup: float = 0.05
     p_drop: float = 0.0
     p_corrupt: float = 0.02
+    p_send_raise: float = 0.01
+    p_send_raise_after: float = 0.01
+    p_receive_raise: float = 0.002
+    p_release_raise: float = 0.01
     p_cancel: float = 0.35  # per request: one client cancel at a random time on a random side
-    p_not_submitted: float = 0.03
-    p_submit_raise: float = 0.015
-    p_write_failed: float = 0.02
+    p_not_posted: float = 0.03
+    p_post_raises: float = 0.015
+    p_write_error: float = 0.02
     p_late_done: float = 0.6
-    p_pub_fail: float = 0.03
-    p_cancel_publishing: float = 0.05  # cancel between OpenReceive and PublicationSent
+    p_stall: float = 0.0
+    p_land_at_post: float = 0.5
     p_reopen: float = 0.25  # a cancelled id is opened again at a rank (must be born cancelled)
-    p_impostor: float = 0.0  # per CANCEL_SESSION: another rank forges the writer's ack
-    p_late_tick: float = 0.2  # the driver handles a queued event before an overdue deadline tick
+    p_impostor: float = 0.0  # per request: an outsider forges a writer's ack
     p_slow_consumer: float = 0.1  # the consumer holds delivered blocks for up to 2 timeouts
+    p_local_copy: float = 0.2  # the consumer queues a local copy into delivered blocks
     deaths: int = 0
     max_steps: int = 40000
 
@@ -123,18 +118,20 @@ class SimConfig:
     def for_seed(cls, seed: int) -> SimConfig:
         r = random.Random(seed * 7919 + 17)
         faulty = r.random() < 0.35
-        timeout = r.randrange(150, 1500)
         return cls(
             num_requests=r.randrange(8, 16),
-            timeout_ns=timeout,
-            grace_ns=r.randrange(60, 1200),
+            timeout_ns=r.randrange(200, 1500),
+            grace_ns=r.randrange(80, 1200),
             p_slow=r.choice((0.0, 0.02, 0.06)),
             p_dup=r.choice((0.0, 0.05, 0.15)),
             p_drop=0.004 if r.random() < 0.06 else 0.0,
             p_corrupt=r.choice((0.0, 0.03)),
-            p_not_submitted=0.06 if faulty else 0.01,
-            p_submit_raise=0.03 if faulty else 0.0,
-            p_write_failed=0.04 if faulty else 0.0,
+            p_send_raise=r.choice((0.0, 0.01, 0.05)),
+            p_send_raise_after=r.choice((0.0, 0.01, 0.05)),
+            p_not_posted=0.06 if faulty else 0.01,
+            p_post_raises=0.03 if faulty else 0.0,
+            p_write_error=0.04 if faulty else 0.0,
+            p_stall=0.01 if faulty and r.random() < 0.3 else 0.0,
             p_impostor=0.3 if r.random() < 0.15 else 0.0,
             deaths=1 if r.random() < 0.12 else 0,
         )
@@ -153,34 +150,49 @@ class _Request:
     gen_first: bool
 
 
-@dataclass
-class _WriteOp:
-    sender: int
-    op_id: int
-    rid: int
-    receiver: int
-    blocks: tuple[int, ...]
-    aux_slot: int
-    may_touch: bool = True  # until DONE or NOT_SUBMITTED; forever if lost
+class _Rank:
+    """One simulated rank: the production stack over the fake library."""
 
+    def __init__(self, world: SimWorld, rank: int, role: Role, layout: KVLayout) -> None:
+        c = world.config
+        self.rank = rank
+        self.role = role
+        self.pool = KVPool(layout)
+        self.aux = torch.zeros(c.aux_slots * 8, dtype=torch.uint8)
+        self.endpoint = FakeNixlEndpoint(f"sim-r{rank}", fabric=world.fabric)
+        self.transport = KVTransport(self.endpoint, rank, self.pool.space(), self.aux, aux_slot_nbytes=8,
+                                     roles=frozenset({role}), geometry_digest=layout.geometry_digest())
+        profile = FaultProfile(
+            p_send_raise=c.p_send_raise, p_send_raise_after=c.p_send_raise_after, p_drop=c.p_drop, p_dup=c.p_dup,
+            p_corrupt=c.p_corrupt, frame_delay_ns=c.frame_delay_ns, p_slow=c.p_slow, write_ns=c.write_ns,
+            p_not_posted=c.p_not_posted, p_post_raises=c.p_post_raises, p_write_error=c.p_write_error,
+            p_late_done=c.p_late_done, p_stall=c.p_stall, p_receive_raise=c.p_receive_raise,
+            p_release_raise=c.p_release_raise,
+        )
+        self.faulty = FaultyTransport(self.transport, rank, world.clock, profile=profile,
+                                      rng=random.Random(world.seed * 1_000_003 + rank))
+        config = TransferConfig(
+            transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
+            aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, fault=None, metrics_port=0,
+        )
+        self.recorder = FlightRecorder(rank, capacity=1 << 16, clock_ns=world.clock)
+        self.fatal: FailStop | None = None
+        self.driver = Driver(rank=rank, peers=(), roles=frozenset({role}), transport=self.faulty, pool=self.pool,
+                             aux=self.aux, key=JOB_KEY, config=config, recorder=self.recorder,
+                             on_fail_stop=self._on_fail_stop)
+        self.engine = Engine(self.driver, fail_stop=self._on_fail_stop, clock=world.clock)  # never started
+        self.api: Sender | Receiver | None = None
+        self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
+        self.seen_frames: set[tuple[int, int]] = set()
+        self.recorded = 0  # flight-recorder events already scanned
+        self.wake: int | None = None  # cached: changes only when this rank is stepped
+        self.tickets: dict[int, tuple[Ticket, int]] = {}  # rid -> (ticket, tries)
+        self.recvs: dict[int, ReceiveHandle] = {}
+        self.sends: dict[int, SendHandle] = {}
+        self.fence_tables = (self.driver.sender or self.driver.receiver).fence._tables  # type: ignore[union-attr]
 
-@dataclass
-class _Pool:
-    """FREE/OWNED/HELD per block (the sim's own tiny pool; blocks carry their owning request)."""
-
-    total: int
-    owner: list[int | None] = field(default_factory=list)
-    held: set[int] = field(default_factory=set)
-    by_rid: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    aux_owner: dict[int, int | None] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.owner = [None] * self.total
-
-    def counts(self) -> tuple[int, int, int]:
-        free = sum(1 for o in self.owner if o is None)
-        held = len(self.held)
-        return free, self.total - free - held, held
+    def _on_fail_stop(self, action: FailStop) -> None:
+        self.fatal = self.fatal or action
 
 
 class SimWorld:
@@ -188,66 +200,65 @@ class SimWorld:
 
     def __init__(self, seed: int, config: SimConfig | None = None) -> None:
         self.seed = seed
-        self.config = config or SimConfig.for_seed(seed)
+        self.config = c = config or SimConfig.for_seed(seed)
         self.rng = random.Random(seed)
         self.now = 0
         self.log: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self.counts: collections.Counter[str] = collections.Counter()
-        c = self.config
+        self.fabric = FakeFabric(rng=random.Random(seed + 1), p_land_at_post=c.p_land_at_post)
+        self.layout = KVLayout.standard(num_layers=1, num_blocks=c.num_blocks, tokens_per_block=1, num_kv_heads=6,
+                                        head_dim=2, dtype="uint8")
         self.senders = list(range(c.num_senders))
         self.receivers = list(range(c.num_senders, c.num_senders + c.num_receivers))
-        self.cores: dict[int, SenderCore | ReceiverCore] = {}
-        for rank in self.senders + self.receivers:
-            cfg = CoreConfig(rank=rank, timeout_ns=c.timeout_ns, grace_ns=c.grace_ns)
-            self.cores[rank] = SenderCore(cfg) if rank in self.senders else ReceiverCore(cfg)
-        self.outbound = {r: OutboundStreams(r) for r in self.cores}
-        self.inbound = {r: InboundStreams(r) for r in self.cores}
+        self.ranks = {r: _Rank(self, r, Role.SENDER if r in self.senders else Role.RECEIVER, self.layout)
+                      for r in self.senders + self.receivers}
+        for rank in self.ranks.values():
+            peers = {r: other.transport.info for r, other in self.ranks.items() if r != rank.rank}
+            rank.transport.connect(peers)
+            rank.api = (Sender if rank.role is Role.SENDER else Receiver)(rank.engine)
         self.dead: set[int] = set()
-        self.fatal: set[int] = set()
-        self.pools = {r: _Pool(c.blocks_per_receiver) for r in self.receivers}
-        for pool in self.pools.values():
-            pool.aux_owner = {slot: None for slot in range(c.aux_slots)}
         self._queue: list[tuple[int, int, str, int | None, Callable[[], None]]] = []
         self._order = 0
         self.requests: dict[int, _Request] = {}
-        self.ops: dict[tuple[int, int], _WriteOp] = {}  # (sender, op_id)
-        self.published: dict[tuple[int, int], set[int]] = {}  # (receiver, rid) -> published writers
-        self.ready: dict[tuple[int, int], set[int]] = collections.defaultdict(set)  # (sender, rid) -> pieces
-        self.exposed: dict[tuple[int, int], int] = {}  # (rank, rid) -> first exposure
-        self.trigger: dict[tuple[int, int], int] = {}  # (rank, rid) -> first Conclude time
-        self.drain_seen: dict[tuple[int, int, int], int] = {}  # (rank, rid, id(clock)) -> drain start
-        self.known: dict[int, set[int]] = collections.defaultdict(set)  # rank -> rids it heard of
-        self.fenced: dict[int, set[int]] = collections.defaultdict(set)  # rank -> rids seen fenced
-        self.cancelled_at: dict[int, set[int]] = collections.defaultdict(set)  # rank -> rids ended cancelled
-        self.in_transit: set[tuple[int, int, int]] = set()  # (writer, rid, receiver): REQUEST_DATA on the bus
-        self.frames_seen: set[tuple[int, int, int]] = set()
-        self.results_seen: set[tuple[Any, ...]] = set()
-        self.forged: set[tuple[int, int, int]] = set()  # (src, dst, seq) of deliberately forged frames
-        self.seen_time: dict[int, int] = {}  # rank -> the latest now it was handed
+        self.src_free = {w: list(range(c.num_blocks)) for w in self.senders}
+        self.src_blocks: dict[tuple[int, int], tuple[int, ...]] = {}  # (writer, rid) -> its source blocks
+        self.src_owner: dict[tuple[int, int], tuple[int, int]] = {}  # (writer, block) -> (rid, piece)
+        self.ready: set[tuple[int, int, int]] = set()  # (writer, rid, piece) signalled
+        self.opened: dict[tuple[int, int], int] = {}  # (rank, rid) -> exposure time (receive opened)
+        self.concluded: dict[tuple[int, int], int] = {}  # (rank, rid) -> first conclusion seen
+        self.local_copies: dict[tuple[int, int], list[tuple[int, Any]]] = collections.defaultdict(list)
+        self.fenced_seen: dict[int, set[int]] = collections.defaultdict(set)
+        self.drain_seen: dict[tuple[int, int, int], int] = {}
+        self.verified: set[tuple[int, int]] = set()
+        self._born_fenced: set[tuple[int, int]] = set()  # sessions reopened for an id fenced at that rank
+        self._split = {}  # rid -> (epoch, seq)
         self._plan()
+        self._split = {rid: split_request_id(rid) for rid in self.requests}
 
     # ---- plumbing ---------------------------------------------------------------------------------
+
+    def clock(self) -> int:
+        return self.now
 
     def _at(self, t: int, label: str, rank: int | None, fn: Callable[[], None]) -> None:
         self._order += 1
         heapq.heappush(self._queue, (max(t, self.now), self._order, label, rank, fn))
 
-    def _delay(self, scale: int = 1) -> int:
-        d = self.rng.randint(1, self.config.max_delay_ns) * scale
-        return d * 10 if self.rng.random() < self.config.p_slow else d
-
     def _say(self, line: str) -> None:
         self.log.append(f"t={self.now} {line}")
 
-    def violation(self, what: str, **fields: Any) -> InvariantViolation:
+    def violation(self, tag: str, what: str, **fields: Any) -> InvariantViolation:
         lines = "\n".join(self.log)
         return InvariantViolation(
-            f"{what}\n  seed={self.seed} (replay: pytest tests/sim --kvown-seed {self.seed})\n"
+            f"({tag}) {what}\n  seed={self.seed} (replay: pytest tests/sim --kvown-seed {self.seed})\n"
             f"  last {len(self.log)} decisions:\n{lines}",
-            seed=self.seed, **fields,
+            seed=self.seed, tag=tag, **fields,
         )
 
-    # ---- workload ---------------------------------------------------------------------------------
+    def _live(self, rank: int) -> bool:
+        return rank not in self.dead and self.ranks[rank].fatal is None
+
+    # ---- workload (the embedding servers) ----------------------------------------------------------
 
     def _plan(self) -> None:
         c, r = self.config, self.rng
@@ -265,507 +276,521 @@ class SimWorld:
             writers = tuple(r.sample(self.senders, slices * groups))
             g = r.randrange(groups)
             pieces = r.randint(1, 3)
-            req = _Request(
-                rid, r.choice(self.receivers), writers, slices, writers[g * slices : (g + 1) * slices],
-                pieces, pieces + r.randint(0, 3), r.random() < 0.5, r.random() < 0.5,
-            )
+            req = _Request(rid, r.choice(self.receivers), writers, slices, writers[g * slices : (g + 1) * slices],
+                           pieces, pieces + r.randint(0, 3), r.random() < 0.5, r.random() < 0.5)
             self.requests[rid] = req
             self.counts[f"pattern_{pattern}"] += 1
-            t_recv = t
             t_send = t + r.randint(0, 80) if req.gen_first else max(0, t - r.randint(0, 80))
-            self._at(t_recv, "open_receive", req.receiver, lambda q=req: self._open_receive(q, tries=0))
+            self._at(t, "open_receive", req.receiver, lambda q=req: self._open_receive(q))
             for w in req.selected:
                 self._at(t_send, "open_send", w, lambda q=req, w=w: self._open_send(q, w))
             if r.random() < c.p_cancel:
                 side = r.choice((req.receiver, *req.writers))
-                when = t + r.randint(0, c.timeout_ns)
-                self._at(when, "client_cancel", side, lambda s=side, q=rid: self._cancel(s, q))
+                self._at(t + r.randint(0, c.timeout_ns), "client_cancel", side, lambda s=side, q=rid: self._cancel(s, q))
+            if r.random() < c.p_impostor:
+                self._at(t + r.randint(0, c.timeout_ns), "forge_ack", None, lambda q=req: self._forge_ack(q))
         for _ in range(c.deaths):
             victim = r.choice(self.senders + self.receivers)
             self._at(r.randint(0, t + 200), "death", victim, lambda v=victim: self._kill(v))
 
-    def _open_receive(self, req: _Request, tries: int) -> None:
-        rank, pool = req.receiver, self.pools[req.receiver]
-        free = [b for b, o in enumerate(pool.owner) if o is None]
-        if len(free) < req.nblocks:
-            if tries < 20:
-                self._at(self.now + 50, "open_receive_retry", rank, lambda: self._open_receive(req, tries + 1))
-            else:
-                self.counts["pool_exhausted"] += 1
-                for w in req.selected:
-                    self._cancel(w, req.rid)
+    def _open_receive(self, req: _Request, tries: int = 0) -> None:
+        rank = self.ranks[req.receiver]
+        try:
+            ticket = rank.api.submit_receive(req.rid, req.nblocks, req.writers, num_slices=req.num_slices,  # type: ignore[union-attr]
+                                             aux=req.aux)
+        except KvownError as e:  # fail-stopping, or the previous session for this id is still live
+            self._say(f"rank {rank.rank} receive({req.rid}) refused: {e.message}")
             return
-        blocks = tuple(self.rng.sample(free, req.nblocks))
-        aux_slot = -1
-        if req.aux:
-            slots = [s for s, o in pool.aux_owner.items() if o is None]
-            aux_slot = self.rng.choice(slots) if slots else -1
-        self._reopen_receive(req, blocks, aux_slot)
-
-    def _reopen_receive(self, req: _Request, blocks: tuple[int, ...], aux_slot: int) -> None:
-        rank, pool, rid = req.receiver, self.pools[req.receiver], req.rid
-        for b in blocks:
-            pool.owner[b] = rid
-        pool.by_rid[rid] = blocks
-        if aux_slot >= 0:
-            pool.aux_owner[aux_slot] = rid
-        event = OpenReceive(rid, blocks, req.writers, req.num_slices, aux_slot)
-        born_fenced = rid in self.fenced[rank]
-        actions = self._handle(rank, event)
-        if actions is None:
-            return
-        self._check_born_cancelled(rank, rid, born_fenced, actions)
-        publications = [a for a in actions if isinstance(a, SendControl) and isinstance(a.message, RequestData)]
-        if not publications:  # born cancelled or refused: nothing was published
-            self._execute(rank, actions)
-            return
-        failed = frozenset(a.dst_rank for a in publications if self.rng.random() < self.config.p_pub_fail)
-        self.published[(rank, rid)] = set(req.writers) - failed
-        self.exposed[(rank, rid)] = self.now
-        self._execute(rank, [a for a in actions if not (isinstance(a, SendControl) and a.dst_rank in failed)])
-        if self.rng.random() < self.config.p_cancel_publishing:
-            self.counts["cancel_while_publishing"] += 1
-            self._cancel(rank, rid)
-        self._at(self.now, "publication_sent", rank, lambda: self._deliver_event(rank, PublicationSent(rid, failed)))
+        rank.tickets[req.rid] = (ticket, tries)
 
     def _open_send(self, req: _Request, w: int) -> None:
-        born_fenced = req.rid in self.fenced[w]
-        actions = self._handle(w, OpenSend(req.rid, tuple(range(req.nblocks)), req.num_pieces, 1))
-        if actions is None:
+        free = self.src_free[w]
+        if len(free) < req.nblocks or req.rid in self.ranks[w].sends:
+            if len(free) < req.nblocks:
+                self._at(self.now + 50, "open_send_retry", w, lambda: self._open_send(req, w))
             return
-        self._check_born_cancelled(w, req.rid, born_fenced, actions)
-        self._execute(w, actions)
+        blocks = tuple(free.pop(self.rng.randrange(len(free))) for _ in range(req.nblocks))
+        tokens = [_Token() for _ in range(req.num_pieces)]
+        aux = req.rid.to_bytes(8, "little") if req.aux else None
+        try:
+            handle = self.ranks[w].api.send(req.rid, blocks, ready=tokens, num_pieces=req.num_pieces, aux=aux)  # type: ignore[union-attr]
+        except KvownError as e:
+            free.extend(blocks)
+            self._say(f"rank {w} send({req.rid}) refused: {e.message}")
+            return
+        self.ranks[w].sends[req.rid] = handle
+        self.src_blocks[(w, req.rid)] = blocks
         for piece in range(req.num_pieces):
-            self._at(self.now + self._delay(3), "source_ready", w, lambda p=piece: self._source_ready(w, req.rid, p))
+            for b in _piece_blocks(blocks, piece, req.num_pieces):
+                self.src_owner[(w, b)] = (req.rid, piece)
+            self._at(self.now + self.rng.randint(1, 60), "source_ready", w,
+                     lambda p=piece, tok=tokens[piece]: self._source_ready(w, req, p, tok))
 
-    def _source_ready(self, w: int, rid: int, piece: int) -> None:
-        if w in self.dead:
+    def _source_ready(self, w: int, req: _Request, piece: int, token: _Token) -> None:
+        """The prefill wrote this piece's KV (the pattern), then signals its ready token."""
+        blocks = self.src_blocks.get((w, req.rid))
+        if blocks is None or w in self.dead:
             return
-        self.ready[(w, rid)].add(piece)
-        self._deliver_event(w, SourceReady(rid, piece))
+        data, bs = self.ranks[w].bytes, self.layout.block_nbytes
+        for j, b in enumerate(blocks):
+            if _piece_of(j, len(blocks), req.num_pieces) == piece:
+                data[b * bs : (b + 1) * bs] = _pattern(req.rid, j, bs)
+        self.ready.add((w, req.rid, piece))
+        token.signal()
 
     def _cancel(self, rank: int, rid: int) -> None:
-        if rank in self.dead:
-            return
-        if any(op.may_touch and op.rid == rid for op in self.ops.values()):
+        self.counts["client_cancels"] += 1
+        if any(dst == f"sim-r{self.requests[rid].receiver}" for _, dst, _ in self.fabric.unfinished_writes()):
             self.counts["cancel_mid_transfer"] += 1
-        self._deliver_event(rank, CancelRequested(rid, CancelOrigin.CLIENT))
-
-    def _kill(self, rank: int) -> None:
-        if rank not in self.dead:
-            self.dead.add(rank)
-            self.counts["deaths"] += 1
-            self._say(f"rank {rank} DIES")
-
-    # ---- driving a core -----------------------------------------------------------------------------
-
-    def _deliver_event(self, rank: int, event: Event) -> None:
-        actions = self._handle(rank, event)
-        if actions is not None:
-            self._execute(rank, actions)
-
-    def _handle(self, rank: int, event: Event, *, forged: bool = False) -> list[Action] | None:
-        """Feed one event to a live rank's core. Returns None when the rank is dead or rejected it."""
-        if rank in self.dead:
-            return None
-        rid = getattr(event, "request_id", None)
-        if rid is not None:
-            self.known[rank].add(rid)
-        core = self.cores[rank]
-        self.seen_time[rank] = self.now
-        try:
-            actions = core.handle(event, self.now)
-        except PeerProtocolError as e:
-            if forged:
-                self.counts["forged_rejected"] += 1
-                self._say(f"rank {rank} rejected forged {_fmt(event)}: {e.message}")
-                return None
-            raise self.violation(f"core rank {rank} rejected an honest input: {e}", rank=rank) from e
-        except InvariantViolation:
-            raise
-        except KvownError as e:
-            raise self.violation(f"core rank {rank} raised on an honest input: {e}", rank=rank) from e
-        self._say(f"rank {rank} <- {_fmt(event)} -> {', '.join(_fmt(a) for a in actions) or '-'}")
-        return actions
-
-    def _execute(self, rank: int, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, SendControl):
-                self._send(rank, action.dst_rank, action.message)
-                if isinstance(action.message, CancelSession) and self.rng.random() < self.config.p_impostor:
-                    self._forge_ack(rank, action.dst_rank, action.message.request_id)
-            elif isinstance(action, PostWrite):
-                self._post(rank, action)
-            elif isinstance(action, Conclude):
-                self._on_conclude(rank, action)
-            elif isinstance(action, Deliver):
-                self.counts["delivered"] += 1
-                slow = self.rng.random() < self.config.p_slow_consumer
-                hold = self.rng.randint(1, 2 * self.config.timeout_ns) if slow else self._delay(2)
-                self._at(self.now + hold, "consumer_release", rank,
-                         lambda r=action.request_id: self._release(rank, r))
-            elif isinstance(action, RetireBlocks):
-                self._retire(rank, action.request_id)
-            elif isinstance(action, ReleaseSource):
-                self.counts["released_sources"] += 1
-            elif isinstance(action, AdmissionRefused):
-                self.counts["admission_refused"] += 1
-                self._free_unpublished(rank, action.request_id)
-            elif isinstance(action, FailStop):
-                self.fatal.add(rank)
-                self.counts["fatal"] += 1
-                self._say(f"rank {rank} FAIL-STOP: {action.detail[:120]}")
+        self.ranks[rank].api.cancel(rid)  # type: ignore[union-attr]
 
     def _release(self, rank: int, rid: int) -> None:
-        core = self.cores[rank]
-        if rank not in self.dead and rid in core.sessions and core.sessions[rid].outcome is Outcome.COMPLETED:
-            self._deliver_event(rank, ReleaseRequested(rid))
+        handle = self.ranks[rank].recvs.get(rid)
+        if handle is not None and handle.landed.is_set() and not handle.retired.is_set():
+            self.ranks[rank].api.release(rid)  # type: ignore[union-attr]
 
-    def _on_conclude(self, rank: int, action: Conclude) -> None:
-        rid = action.request_id
-        self.counts[f"outcome_{action.outcome.value}"] += 1
-        self.trigger.setdefault((rank, rid), self.now)
-        if action.outcome is not Outcome.COMPLETED:
-            self.cancelled_at[rank].add(rid)
-            if rank in self.pools:
-                pool = self.pools[rank]
-                pool.held.update(b for b in pool.by_rid.get(rid, ()) if pool.owner[b] == rid)
-            if self.rng.random() < self.config.p_reopen:
-                self._at(self.now + self._delay(20), "reopen", rank, lambda: self._reopen(rank, rid))
+    def _local_copy(self, rank: int, rid: int) -> None:
+        handle = self.ranks[rank].recvs.get(rid)
+        if handle is None or handle.retired.is_set() or handle.closing:
+            return
+        token = _Token()
+        try:
+            self.ranks[rank].api.local_copy(rid, token)  # type: ignore[union-attr]
+        except KvownError:
+            return
+        self.counts["local_copies"] += 1
+        self.local_copies[(rank, rid)].append((self.now, token))
+        slow = self.rng.random() < 0.1
+        hold = self.rng.randint(1, 3 * self.config.grace_ns) if slow else self.rng.randint(1, 30)
+        self._at(self.now + hold, "local_copy_done", rank, token.signal)
+
+    def _kill(self, rank: int) -> None:
+        if rank in self.dead:
+            return
+        self.dead.add(rank)
+        self.ranks[rank].wake = None
+        self.counts["deaths"] += 1
+        self.fabric._agents.pop(f"sim-r{rank}", None)  # frames to it are lost; its WRITEs may still land
+        self._say(f"rank {rank} DIES")
+
+    def _forge_ack(self, req: _Request) -> None:
+        """An insider (holds the job key, is not a writer of this request) forges a writer's ack."""
+        outsiders = [r for r in self.senders if r not in req.writers and self._live(r)]
+        if not outsiders or not self._live(req.receiver):
+            return
+        impostor = self.ranks[self.rng.choice(outsiders)]
+        envelope = impostor.driver.out.stamp(req.receiver, SessionQuiesced(req.writers[0], req.rid))
+        impostor.transport.send(req.receiver, codec.encode(envelope, JOB_KEY))
+        self.counts["forged_sent"] += 1
 
     def _reopen(self, rank: int, rid: int) -> None:
-        """The embedding server schedules the same (cancelled) id again on this rank: born cancelled."""
-        core, req = self.cores[rank], self.requests[rid]
-        if rank in self.dead or rid in core.sessions:
+        """The embedding server schedules the same (concluded, not completed) id again: born cancelled."""
+        req = self.requests[rid]
+        if not self._live(rank):
             return
         self.counts["reopened"] += 1
-        if rank in self.pools:
-            free = [b for b, o in enumerate(self.pools[rank].owner) if o is None]
-            if len(free) >= req.nblocks and rid not in self.pools[rank].by_rid:
-                self._reopen_receive(req, tuple(free[: req.nblocks]), -1)
+        if rank in self.receivers:
+            self._open_receive(req)
         else:
             self._open_send(req, rank)
 
-    def _free_unpublished(self, rank: int, rid: int) -> None:
-        """AdmissionRefused: nothing was created or published for this open; its blocks go back."""
-        pool = self.pools.get(rank)
-        if pool is not None and rid not in self.cores[rank].sessions:
-            self._free(pool, rid)
+    # ---- after each step: what the embedding servers see --------------------------------------------
 
-    def _free(self, pool: _Pool, rid: int) -> None:
-        for b in pool.by_rid.pop(rid, ()):
-            if pool.owner[b] == rid:
-                pool.owner[b] = None
-                pool.held.discard(b)
-        for slot, owner in pool.aux_owner.items():
-            if owner == rid:
-                pool.aux_owner[slot] = None
+    def _observe(self, r: int) -> None:
+        """Follow the handles of rank ``r`` after a step: tickets, landings, conclusions, releases."""
+        rank = self.ranks[r]
+        for rid, (ticket, tries) in list(rank.tickets.items()):
+            if not ticket.future.done():
+                continue
+            del rank.tickets[rid]
+            if ticket.future.exception() is not None:
+                if tries < 20:
+                    self._at(self.now + 50, "open_receive_retry", r,
+                             lambda q=self.requests[rid], n=tries + 1: self._open_receive(q, n))
+                else:
+                    self.counts["pool_exhausted"] += 1
+                continue
+            rank.recvs[rid] = ticket.future.result()
+            self.opened[(r, rid)] = self.now
+        for rid, handle in list(rank.recvs.items()):
+            self._observe_outcome(r, rid, handle)
+            if handle.landed.is_set() and (r, rid) not in self.verified:
+                self.verified.add((r, rid))
+                self._verify_landed(r, rid, handle)
+                if self.rng.random() < self.config.p_local_copy:
+                    self._at(self.now + self.rng.randint(0, 20), "local_copy", r, lambda q=rid: self._local_copy(r, q))
+                slow = self.rng.random() < self.config.p_slow_consumer
+                hold = self.rng.randint(1, 2 * self.config.timeout_ns) if slow else self.rng.randint(1, 40)
+                self._at(self.now + hold, "consumer_release", r, lambda q=rid: self._release(r, q))
+            if handle.retired.is_set():
+                del rank.recvs[rid]
+                self.counts["retired"] += 1
+                self._check_retirement(rank, rid, handle)
+        for rid, handle in list(rank.sends.items()):
+            self._observe_outcome(r, rid, handle)
+            if handle.released.is_set():
+                del rank.sends[rid]
+                self.counts["released_sources"] += 1
+                for b in self.src_blocks.pop((r, rid), ()):
+                    self.src_owner.pop((r, b), None)
+                    self.src_free[r].append(b)
 
-    # ---- invariant (a): retirement ------------------------------------------------------------------
-
-    def _retire(self, rank: int, rid: int) -> None:
-        for op in self.ops.values():
-            if op.receiver == rank and op.rid == rid and op.may_touch:
-                raise self.violation(
-                    f"(a) RetireBlocks({rid}) on rank {rank} while writer {op.sender}'s op {op.op_id} may still "
-                    "touch the destination", rid=rid, rank=rank,
-                )
-        for w in self.published.get((rank, rid), ()):
-            core = self.cores[w]
-            assert isinstance(core, SenderCore)
-            if (w, rid, rank) in self.in_transit and w not in self.dead:
-                raise self.violation(
-                    f"(a) RetireBlocks({rid}) on rank {rank} while its REQUEST_DATA to writer {w} is still in transit",
-                    rid=rid, rank=rank,
-                )
-            if core.may_write(rid, rank):
-                raise self.violation(
-                    f"(a) RetireBlocks({rid}) on rank {rank} while published writer {w} may still write",
-                    rid=rid, rank=rank,
-                )
-        self.counts["retired"] += 1
-        self._free(self.pools[rank], rid)
-
-    # ---- control bus --------------------------------------------------------------------------------
-
-    def _send(self, src: int, dst: int, message: Any, *, forged: bool = False) -> None:
-        if src in self.dead:
+    def _observe_outcome(self, rank: int, rid: int, handle: SendHandle | ReceiveHandle) -> None:
+        if not handle.outcome.done() or (rank, rid) in self.concluded:
             return
-        envelope = self.outbound[src].stamp(dst, message)
-        frame = codec.encode(envelope, JOB_KEY)
-        if forged:
-            self.forged.add((src, dst, envelope.seq))
-        c = self.config
-        if self.rng.random() < c.p_drop:
-            self.counts["drops"] += 1
-            self._say(f"bus DROPS {src}->{dst} seq {envelope.seq} {_fmt(message)}")
+        self.concluded[(rank, rid)] = self.now
+        error = handle.outcome.exception()
+        if error is not None:
+            self.counts["admission_refused"] += 1
             return
-        if isinstance(message, RequestData):
-            self.in_transit.add((dst, message.request_id, src))
-        self._at(self.now + self._delay(), "frame", dst, lambda: self._receive(dst, frame))
-        if self.rng.random() < c.p_dup:
-            self._at(self.now + self._delay(4), "frame_dup", dst, lambda: self._receive(dst, frame))
-        if self.rng.random() < c.p_corrupt:
-            i = self.rng.randrange(len(frame))
-            bad = frame[:i] + bytes([frame[i] ^ (1 << self.rng.randrange(8))]) + frame[i + 1 :]
-            self._at(self.now + self._delay(), "frame_corrupt", dst, lambda: self._receive(dst, bad))
+        outcome = handle.outcome.result()
+        self.counts[f"outcome_{outcome.value}"] += 1
+        if (rank, rid) in self._born_fenced and outcome is not Outcome.CANCELLED:
+            raise self.violation("d", f"a session for fenced id {rid} on rank {rank} was not born cancelled")
+        if outcome is not Outcome.COMPLETED and self.rng.random() < self.config.p_reopen:
+            self._at(self.now + self.rng.randint(20, 200), "reopen", rank, lambda k=rank, q=rid: self._reopen_after(k, q))
 
-    def _forge_ack(self, receiver: int, writer: int, rid: int) -> None:
-        outsiders = [r for r in self.senders if r not in self.requests[rid].writers and r not in self.dead]
-        if outsiders:
-            impostor = self.rng.choice(outsiders)
-            self.counts["forged_sent"] += 1
-            self._send(impostor, receiver, SessionQuiesced(writer, rid), forged=True)
-
-    def _receive(self, dst: int, frame: bytes) -> None:
-        if dst in self.dead:
+    def _reopen_after(self, rank: int, rid: int) -> None:
+        live = self.ranks[rank].recvs.get(rid) or self.ranks[rank].sends.get(rid)
+        if live is not None:  # the first session has not finished yet: try later
+            self._at(self.now + 100, "reopen", rank, lambda k=rank, q=rid: self._reopen_after(k, q))
             return
-        try:
-            envelope = codec.decode(frame, JOB_KEY)
-        except PeerProtocolError:
-            self.counts["corrupt_rejected"] += 1
-            return
-        inbound = self.inbound[dst]
-        before = inbound.duplicates
-        ready = inbound.deliver(envelope)
-        if inbound.duplicates > before:
-            self.counts["duplicates_dropped"] += 1
-        elif not ready:
-            self.counts["reordered"] += 1
-        for env in ready:
-            key = (env.src_rank, env.dst_rank, env.seq)
-            if key in self.frames_seen:
-                raise self.violation(f"(c) frame {key} delivered twice by the streams", frame=key)
-            self.frames_seen.add(key)
-            m = env.message
-            if isinstance(m, RequestData):
-                self.in_transit.discard((dst, m.request_id, env.src_rank))
-            if isinstance(m, (KvResult, AuxResult)):
-                rkey = (dst, m.writer_rank, m.request_id, type(m).__name__, m.piece, m.status)
-                if rkey in self.results_seen:
-                    raise self.violation(f"(c) result {rkey} reached the ledger twice", result=rkey)
-                self.results_seen.add(rkey)
-            actions = self._handle(dst, MessageReceived(env), forged=key in self.forged)
-            if actions is not None:
-                self._execute(dst, actions)
+        self.concluded.pop((rank, rid), None)
+        if self._fenced_raw(rank, rid):
+            self._born_fenced.add((rank, rid))
+            self.counts["born_cancelled_checked"] += 1
+        self._reopen(rank, rid)
 
-    # ---- fabric -------------------------------------------------------------------------------------
-
-    def _post(self, rank: int, action: PostWrite) -> None:
-        rid, piece = action.request_id, action.piece
-        ready = self.ready[(rank, rid)]
-        req = self.requests[rid]
-        if (action.kind is PieceKind.AUX and len(ready) < req.num_pieces) or (
-            action.kind is PieceKind.KV and piece not in ready
-        ):
-            raise self.violation(f"(f) PostWrite op {action.op_id} for piece {piece} before its source was ready")
-        self.exposed.setdefault((rank, rid), self.now)
-        op = _WriteOp(rank, action.op_id, rid, action.receiver_rank, action.dst_blocks, action.aux_slot)
-        self.ops[(rank, action.op_id)] = op
-        c, r = self.config, self.rng
-        x = r.random()
-        t1 = self.now + self._delay()
-        t2 = t1 + self._delay(2)
-        t3 = t2 + self._delay(8)
-        if x < c.p_not_submitted:
-            self._fab(t1, op, WriteNotSubmitted(op.op_id, "sim: refused"), settles=True)
-        elif x < c.p_not_submitted + c.p_submit_raise:
-            self.counts["in_doubt_writes"] += 1
-            self._fab(t1, op, WriteSubmitFailed(op.op_id, "sim: post raised"), settles=False)
-            if r.random() < c.p_late_done:
-                self._fab(t3, op, WriteCompleted(op.op_id), settles=True, late=True)
-        elif x < c.p_not_submitted + c.p_submit_raise + c.p_write_failed:
-            self.counts["in_doubt_writes"] += 1
-            self._fab(t1, op, WriteSubmitted(op.op_id), settles=False)
-            self._fab(t2, op, WriteFailed(op.op_id, "sim: status error"), settles=False)
-            if r.random() < c.p_late_done:
-                self._fab(t3, op, WriteCompleted(op.op_id), settles=True, late=True)
-        else:
-            self._fab(t1, op, WriteSubmitted(op.op_id), settles=False)
-            self._fab(t2, op, WriteCompleted(op.op_id), settles=True)
-
-    def _fab(self, t: int, op: _WriteOp, event: Event, *, settles: bool, late: bool = False) -> None:
-        def fire() -> None:
-            if op.sender in self.dead:
-                return  # a dead rank's write never reports; it may touch memory forever
-            if isinstance(event, WriteCompleted):
-                self._land(op)
-                if late:
-                    self.counts["late_settlements"] += 1
-            if settles:
-                op.may_touch = False
-            self._deliver_event(op.sender, event)
-
-        self._at(t, "fabric", op.sender, fire)
-
-    def _land(self, op: _WriteOp) -> None:
-        """(e) the bytes land: every target must still belong to the writing request."""
-        pool = self.pools[op.receiver]
-        for b in op.blocks:
-            if pool.owner[b] != op.rid:
-                raise self.violation(
-                    f"(e) CORRUPTION: op {op.op_id} of request {op.rid} landed on block {b} owned by {pool.owner[b]}",
-                    rid=op.rid,
-                )
-        if op.aux_slot >= 0 and pool.aux_owner.get(op.aux_slot) != op.rid:
-            raise self.violation(f"(e) CORRUPTION: aux write of request {op.rid} landed on a reused aux slot")
+    def _verify_landed(self, rank: int, rid: int, handle: ReceiveHandle) -> None:
+        """(e) the landed blocks hold exactly what the writers wrote; the aux slot its payload."""
+        data, bs = self.ranks[rank].bytes, self.layout.block_nbytes
+        for j, b in enumerate(handle.blocks):
+            if not np.array_equal(data[b * bs : (b + 1) * bs], _pattern(rid, j, bs)):
+                raise self.violation("e", f"request {rid} landed on rank {rank} with wrong bytes in block {b} "
+                                          f"(index {j}): stale or foreign data", rid=rid)
+        if handle.aux_slot >= 0:
+            if self.ranks[rank].driver.read_aux(handle) != rid.to_bytes(8, "little"):
+                raise self.violation("e", f"request {rid} landed on rank {rank} with a wrong aux payload", rid=rid)
+        self.counts["verified_landings"] += 1
 
     # ---- the step loop ------------------------------------------------------------------------------
 
-    def _next_deadline(self) -> tuple[int, int] | None:
-        best = None
-        for rank, core in self.cores.items():
-            if rank in self.dead:
-                continue
-            d = core.next_deadline_ns()
-            if d is not None and (best is None or d < best[0]):
-                best = (d, rank)
-        return best
+    def _wake_ns(self, rank: _Rank) -> int | None:
+        if not self._live(rank.rank):
+            return None
+        dues = [d for d in (rank.driver.next_deadline_ns(), rank.faulty.next_due_ns()) if d is not None]
+        if rank.driver._unsent:
+            dues.append(self.now + 1)  # a failed send is retried on the next step
+        return min(dues, default=None)
 
     def step(self) -> bool:
-        """Run one event or one deadline tick; check the invariants. False when nothing is left."""
-        deadline = self._next_deadline()
+        """Run one workload event or one instant of due rank work; check the oracles. False when done."""
+        wake = min(((rank.wake, r) for r, rank in self.ranks.items() if rank.wake is not None), default=None)
         head = self._queue[0][0] if self._queue else None
-        if deadline is None and head is None:
+        if wake is None and head is None:
             return False
-        late = head is not None and self.rng.random() < self.config.p_late_tick  # time applied by handle()
-        if deadline is not None and (head is None or deadline[0] <= head) and not late:
-            self.now = max(self.now, deadline[0])
-            rank = deadline[1]
-            self._deliver_event(rank, Tick())
-            self.counts["ticks"] += 1
-        else:
+        if head is not None and (wake is None or head < wake[0]):
             t, _, label, rank, fn = heapq.heappop(self._queue)
-            self.now = t
-            if rank is not None and rank in self.dead and label != "death":
-                pass
-            else:
-                fn()
-        self.check(rank)
+            self.now = max(self.now, t)
+            self._say(f"workload {label} rank {rank}")
+            if rank is not None and not self._live(rank) and label != "death":
+                return True
+            fn()
+            dirty = {rank} if rank is not None else set(self.receivers)
+        else:
+            self.now = max(self.now, wake[0])
+            dirty = {r for r, rank in self.ranks.items() if rank.wake is not None and rank.wake <= self.now}
+        self._settle(dirty)
         return True
+
+    def _settle(self, dirty: set[int]) -> None:
+        """Step ranks with work at ``now`` until every live rank is quiet (rule 3), checking each step."""
+        pending = set(dirty)
+        inboxes = [(r, agent) for r in self.ranks if (agent := self.fabric._agents.get(f"sim-r{r}")) is not None]
+        for _ in range(SETTLE_ROUNDS):
+            pending.update(r for r, agent in inboxes if agent.inbox)
+            pending = {r for r in pending if self._live(r)}
+            if not pending:
+                return
+            r = min(pending)
+            pending.discard(r)
+            rank = self.ranks[r]
+            rank.driver.step(self.now)
+            self.counts["steps"] += 1
+            self._check_after_step(rank)
+            self._observe(r)
+            rank.wake = self._wake_ns(rank)
+            if rank.wake is not None and rank.wake <= self.now:
+                pending.add(r)
+        raise self.violation("b", f"ranks did not go quiet at t={self.now} (livelock)")
 
     def run(self, steps: int | None = None) -> dict[str, int]:
         """Run to the end (or ``steps`` steps), then the end-of-run checks. Returns the counts."""
         limit = steps if steps is not None else self.config.max_steps
         n = 0
-        for phase in range(3):
+        for _ in range(3):
             while n < limit and self.step():
                 n += 1
             if n >= limit or not self._end_phase_cancels():
                 break
-        self.counts["steps"] = n
+        self.counts["events"] = n
         if steps is None:
             if n >= limit:
-                raise self.violation("the world did not settle within max_steps")
+                raise self.violation("b", "the world did not settle within max_steps")
             self.check_end()
+        self._collect_counts()
         return dict(self.counts)
 
     def _end_phase_cancels(self) -> bool:
-        """Send sessions that never got their publication (the receiver refused, died or failed to
-        publish) have no clock; the embedding server gives up on them. Returns True if any was cancelled."""
-        any_ = False
-        for rank in self.senders:
-            core = self.cores[rank]
-            if rank in self.dead or rank in self.fatal:
-                continue
-            for rid, s in list(core.sessions.items()):
-                if len(s.streams) < s.num_receivers and (rank, rid) not in self.exposed:
+        """Send sessions whose publication never came have no clock; the embedding server gives up."""
+        gave_up = False
+        for w, rid, handle in [(w, rid, h) for w, rank in self.ranks.items() for rid, h in rank.sends.items()]:
+            if self._live(w) and not handle.released.is_set():
+                core = self.ranks[w].driver.sender
+                s = core.sessions.get(rid) if core is not None else None
+                if s is not None and s.clock.exposed_ns is None:
                     self.counts["end_phase_cancels"] += 1
-                    self._at(self.now + 1, "server_gives_up", rank, lambda r=rank, q=rid: self._cancel(r, q))
-                    any_ = True
-        return any_
+                    self._at(self.now + 1, "server_gives_up", w, lambda r=w, q=rid: self._cancel(r, q))
+                    gave_up = True
+        return gave_up
 
-    # ---- invariant checks ---------------------------------------------------------------------------
+    def _collect_counts(self) -> None:
+        for rank in self.ranks.values():
+            self.counts.update({f"fault_{k}": v for k, v in rank.faulty.counts.items()})
+            stats = rank.driver.stats
+            for name in ("control_resent", "release_failures", "receive_errors", "rejected_frames",
+                         "rejected_peer_input", "admission_refused"):
+                self.counts[name] += stats.get(name, 0)
+            self.counts["duplicates_dropped"] += rank.driver.inn.duplicates
+            core = rank.driver.sender or rank.driver.receiver
+            self.counts["born_cancelled"] += core.counters.get("born_cancelled", 0)
+            if rank.fatal is not None:
+                self.counts["fatal"] += 1
+                self.counts[f"fatal_{rank.fatal.reason.value}"] += 1
 
-    def check(self, rank: int | None) -> None:
-        """After every step: (b) deadlines, (d) fences, (e) pool accounting."""
-        for r, core in self.cores.items():
-            if r in self.dead or r in self.fatal:
-                continue
-            for rid, s in core.sessions.items():
-                key = (r, rid, id(s.clock))
-                started = s.clock.drain_started_ns
-                if started is not None:
-                    first = self.drain_seen.setdefault(key, started)
-                    if first != started:
-                        raise self.violation(f"(b) drain of {rid} on rank {r} moved from {first} to {started} (INV-D2)")
-                open_claims = s.has_claims() if isinstance(core, ReceiverCore) else bool(s.live_ops())
-                exposed = self.exposed.get((r, rid))
-                if not open_claims or exposed is None:
-                    continue
-                trigger = min(self.trigger.get((r, rid), exposed + core.config.timeout_ns), exposed + core.config.timeout_ns)
-                bound = trigger + core.config.grace_ns
-                if self.seen_time.get(r, -1) > bound:  # it saw a time past the bound and did not stop
-                    raise self.violation(
-                        f"(b) session {rid} on rank {r} still has claims at t={self.now} > bound {bound} "
-                        "without a FailStop", rid=rid, rank=r,
-                    )
-        if rank is None or rank in self.dead:
+    # ---- oracles ------------------------------------------------------------------------------------
+
+    def _fenced_raw(self, rank: int, rid: int) -> bool:
+        epoch, seq = self._split.get(rid) or split_request_id(rid)
+        table = self.ranks[rank].fence_tables.get(epoch)
+        return table is not None and table.get(seq) != 0
+
+    def _check_after_step(self, rank: _Rank) -> None:
+        r, now = rank.rank, self.now
+        driver = rank.driver
+        if rank.fatal is not None:
+            if rank.fatal.reason is FatalReason.INVARIANT:
+                raise self.violation("e", f"rank {r} fail-stopped on an invariant: {rank.fatal.detail[:300]}")
+            self._say(f"rank {r} FAIL-STOP {rank.fatal.reason.value}: {rank.fatal.detail[:120]}")
             return
-        core = self.cores[rank]
-        for rid in self.known[rank]:
-            if core.fence.is_fenced(rid):
-                self.fenced[rank].add(rid)
-            elif rid in self.fenced[rank] and core.fence.admissible(rid):
-                raise self.violation(f"(d) fence for {rid} on rank {rank} reopened", rid=rid, rank=rank)
-        if rank in self.pools:
-            pool = self.pools[rank]
-            free, owned, held = pool.counts()
-            if free + owned + held != pool.total or owned < 0:
-                raise self.violation(f"(e) pool accounting broken on rank {rank}: {free}+{owned}+{held}")
+        # (b) the watchdog's question and the engine's answer agree
+        if driver.check_fatal(now) is not None:
+            raise self.violation("b", f"rank {r} was stepped at t={now} yet check_fatal says fatal: "
+                                      f"{driver.check_fatal(now).detail[:200]}")
+        fences_may_change = self._check_recv_log(rank)
+        self._check_sessions(rank)
+        self._check_fences(rank, fences_may_change)
+        self._check_pool(rank)
+        self._check_new_writes()
+        self._check_holes(rank)
 
-    def _check_born_cancelled(self, rank: int, rid: int, was_fenced: bool, actions: list[Action]) -> None:
-        if not was_fenced:
-            return
-        ok = any(isinstance(a, AdmissionRefused) or (isinstance(a, Conclude) and a.outcome is Outcome.CANCELLED)
-                 for a in actions)
-        if not ok:
-            raise self.violation(f"(d) a session for fenced id {rid} on rank {rank} was not born cancelled")
-        self.counts["born_cancelled"] += 1
+    def _check_recv_log(self, rank: _Rank) -> bool:
+        """(c) each (src, seq) reaches this rank's cores once; honest evidence is never disputed (the
+        insiders here forge acks on their own streams, which the core refuses without a dispute)."""
+        ring = rank.recorder._ring
+        new = min(rank.recorder._recorded - rank.recorded, len(ring))
+        rank.recorded = rank.recorder._recorded
+        for i in range(len(ring) - new, len(ring)):
+            _, kind, rid, detail = ring[i]
+            self._say(f"r{rank.rank} {kind} {rid} {_brief(detail)}")
+            if kind == "recv":
+                key = (detail["src"], detail["seq"])
+                if key in rank.seen_frames:
+                    raise self.violation("c", f"rank {rank.rank}: frame {key} delivered twice by the streams")
+                rank.seen_frames.add(key)
+            elif kind == "disputed":
+                raise self.violation("c", f"rank {rank.rank} disputed honest evidence for {rid}: {detail['reason']}")
+        return new > 0
 
-    def check_end(self) -> None:
-        """(b) at the end: every session of a live, non-fatal rank ended; (e) pools drained."""
-        for r, core in self.cores.items():
-            if r in self.dead or r in self.fatal:
+    def _check_sessions(self, rank: _Rank) -> None:
+        """(b) the drain start never moves; no claim outlives its bound."""
+        core = rank.driver.receiver or rank.driver.sender
+        grace, timeout = core.config.grace_ns, core.config.timeout_ns
+        for rid, s in core.sessions.items():
+            key = (rank.rank, rid, id(s.clock))
+            started = s.clock.drain_started_ns
+            if started is not None and self.drain_seen.setdefault(key, started) != started:
+                raise self.violation("b", f"drain of {rid} on rank {rank.rank} moved (INV-D2)")
+            if rank.role is not Role.RECEIVER or (rank.rank, rid) not in self.opened:
                 continue
+            exposed = self.opened[(rank.rank, rid)]
+            trigger = min(self.concluded.get((rank.rank, rid), exposed + timeout), exposed + timeout)
+            writer_claims = bool(s.disputed) or any(
+                not ((w.stream_ended or w.acked) and not w.in_doubt) for w in s.writers.values())
+            bounds = [trigger + grace] if writer_claims else []
+            bounds += [t + grace for t, token in self.local_copies.get((rank.rank, rid), []) if not token.query()]
+            if bounds and self.now > min(bounds):
+                raise self.violation("b", f"session {rid} on rank {rank.rank} still has claims at t={self.now} > "
+                                          f"bound {min(bounds)} without a fail-stop", rid=rid)
+
+    def _check_fences(self, rank: _Rank, changed: bool) -> None:
+        """(d) a fence once seen never disappears (raw tables: a mutant may patch is_fenced). Fences are
+        installed only while the rank records events, so new ones are looked for only then."""
+        seen = self.fenced_seen[rank.rank]
+        for rid in seen:
+            if not self._fenced_raw(rank.rank, rid):
+                raise self.violation("d", f"fence for {rid} on rank {rank.rank} reopened")
+        if changed:
+            seen.update(rid for rid in self.requests if rid not in seen and self._fenced_raw(rank.rank, rid))
+
+    def _check_pool(self, rank: _Rank) -> None:
+        pool = rank.pool
+        if len(pool._free) + pool._num_owned + pool._num_held != pool.layout.num_blocks:
+            raise self.violation("e", f"pool accounting broken on rank {rank.rank}")
+
+    def _check_new_writes(self) -> None:
+        """(f) every WRITE posted since the last check reads only source pieces whose token was signalled."""
+        for src, pieces in self.fabric.take_posted():
+            w = int(src.rsplit("r", 1)[1])
+            pool = self.ranks[w].pool
+            base, bs = pool.base_addr, self.layout.block_nbytes
+            for laddr, _, _ in pieces:
+                if base <= laddr < base + pool.layout.pool_nbytes:
+                    owner = self.src_owner.get((w, (laddr - base) // bs))
+                    if owner is not None and (w, owner[0], owner[1]) not in self.ready:
+                        raise self.violation("f", f"rank {w} posted a WRITE of request {owner[0]} piece {owner[1]} "
+                                                  "before its ready token", rid=owner[0])
+
+    def _check_holes(self, rank: _Rank) -> None:
+        """(g) a frame whose send raised unsent must be sent again within the resend budget."""
+        budget = self.config.control_retry_ns
+        for frame, since in rank.faulty.raised.items():
+            if self.now - since > budget + 1:
+                raise self.violation("g", f"rank {rank.rank} left a hole in a control stream: a frame whose send "
+                                          f"raised at t={since} was never sent again and the rank did not fail-stop")
+
+    def _check_retirement(self, rank: _Rank, rid: int, handle: ReceiveHandle) -> None:
+        """(a) at the moment of retirement nothing may still write into these blocks."""
+        r = rank.rank
+        req = self.requests[rid]
+        pool = rank.pool
+        bs = self.layout.block_nbytes
+        targets = [(pool.base_addr + b * bs, bs) for b in handle.blocks]
+        if handle.aux_slot >= 0:
+            targets.append((rank.aux.data_ptr() + 8 * handle.aux_slot, 8))
+        for src, dst, pieces in self.fabric.unfinished_writes():
+            if dst != f"sim-r{r}":
+                continue
+            for _, raddr, n in pieces:
+                if any(a < raddr + n and raddr < a + size for a, size in targets):
+                    raise self.violation("a", f"rank {r} retired request {rid} while a WRITE from {src} may still "
+                                              "touch its blocks", rid=rid)
+        for w in req.writers:
+            if w in self.dead:
+                continue
+            if self._request_data_in_flight(r, w, rid):
+                raise self.violation("a", f"rank {r} retired request {rid} while its REQUEST_DATA to writer {w} "
+                                          "is still on its way", rid=rid)
+            core = self.ranks[w].driver.sender
+            s = core.sessions.get(rid)
+            stream = s.streams.get(r) if s is not None else None
+            if stream is not None and any(op.state in LIVE for op in stream.ops):
+                raise self.violation("a", f"rank {r} retired request {rid} while writer {w} still has an operation "
+                                          "that may write", rid=rid)
+            if stream is None and r in core._saved.get(rid, {}) and not self._fenced_raw(w, rid) and not core.poisoned:
+                raise self.violation("a", f"rank {r} retired request {rid} while writer {w} holds its publication "
+                                          "and may still open a session", rid=rid)
+
+    def _request_data_in_flight(self, rx: int, w: int, rid: int) -> bool:
+        frames: list[bytes] = []
+        agent = self.fabric._agents.get(f"sim-r{w}")
+        if agent is not None:
+            frames += [item[2] for item in agent.inbox]
+        frames += [f for _, _, dst, f in self.ranks[rx].faulty._out if dst == w]
+        frames += [f for _, src, f in self.ranks[w].faulty._in if src == rx]
+        pending = self.ranks[rx].driver._unsent.get(w)
+        if pending is not None:
+            frames += [f for f, _ in pending.frames]
+        inbound = self.ranks[w].driver.inn
+        delivered_below = inbound._expected.get(rx, 0)  # a copy of a frame already delivered is a dropped duplicate
+        envelopes = [e for e in (codec.decode(f, JOB_KEY) for f in frames if _authentic(f)) if e.seq >= delivered_below]
+        envelopes += list(inbound._held.get(rx, {}).values())
+        return any(isinstance(e.message, RequestData) and e.message.request_id == rid and e.src_rank == rx
+                   for e in envelopes)
+
+    def check_end(self) -> None:  # noqa: C901
+        """At the end: live, non-fatal ranks have no sessions, every block free and every canary intact."""
+        for r, rank in self.ranks.items():
+            if not self._live(r):
+                continue
+            core = rank.driver.sender or rank.driver.receiver
             if core.sessions:
                 rid, s = next(iter(core.sessions.items()))
-                raise self.violation(
-                    f"(b) rank {r} ended with {len(core.sessions)} live session(s), e.g. {rid}: {_session_summary(s)}",
-                    rank=r,
-                )
-            if r in self.pools:
-                free, owned, held = self.pools[r].counts()
-                if free != self.pools[r].total:
-                    raise self.violation(f"(e) rank {r} ended with blocks not free: owned={owned} held={held}")
+                raise self.violation("b", f"rank {r} ended with {len(core.sessions)} live session(s), e.g. {rid} "
+                                          f"outcome={s.outcome} reason={s.reason!r}")
+            if rank.role is Role.RECEIVER:
+                stats = rank.pool.statistics()
+                if stats.free != stats.total:
+                    raise self.violation("e", f"rank {r} ended with blocks not free: {stats}")
+                canaries = rank.driver.canaries
+                broken = canaries.check(tuple(range(stats.total))) if canaries is not None else []
+                if broken:
+                    raise self.violation("e", f"rank {r}: a write landed after retirement: {broken[0]}")
 
 
-def _session_summary(s: Any) -> str:
-    state = getattr(s, "state", None)
-    return f"state={getattr(state, 'value', state)} outcome={s.outcome} reason={s.reason!r}"
+class _Token:
+    """A host ready token the simulated producer signals (``threading.Event``-free: no locks needed)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def signal(self) -> None:
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
 
 
-def _fmt(obj: Any) -> str:
-    if isinstance(obj, MessageReceived):
-        e = obj.envelope
-        return f"{e.src_rank}->{e.dst_rank}#{e.seq} {_fmt(e.message)}"
-    if isinstance(obj, SendControl):
-        return f"send {obj.dst_rank} {_fmt(obj.message)}"
-    name = type(obj).__name__
-    if isinstance(obj, PostWrite):
-        return f"PostWrite(op {obj.op_id} rid {obj.request_id} -> {obj.receiver_rank} {obj.kind.value}{obj.piece})"
-    if isinstance(obj, FailStop):
-        return f"FailStop({obj.request_id})"
-    if not dataclasses.is_dataclass(obj):
-        return name
-    body = ", ".join(_short(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name not in ("dst_blocks", "src_blocks"))
-    return f"{name}({body})"[:110]
+_PATTERNS: dict[tuple[int, int, int], np.ndarray] = {}
 
 
-def _short(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return value.name
-    return repr(value)
+def _pattern(rid: int, index: int, nbytes: int) -> np.ndarray:
+    """The bytes the simulated prefill writes into block ``index`` of request ``rid`` (cached)."""
+    key = (rid, index, nbytes)
+    out = _PATTERNS.get(key)
+    if out is None:
+        seed = (rid * 0x9E3779B1 + index * 0x85EBCA6B + 1) & 0xFFFFFFFF
+        out = _PATTERNS[key] = ((np.arange(nbytes, dtype=np.uint64) * 2654435761 + seed) >> 7).astype(np.uint8)
+        if len(_PATTERNS) > 1 << 16:
+            _PATTERNS.clear()
+    return out
+
+
+def _piece_of(index: int, nblocks: int, pieces: int) -> int:
+    """Which piece block ``index`` belongs to (the sender core splits blocks evenly into pieces)."""
+    for p in range(pieces):
+        if p * nblocks // pieces <= index < (p + 1) * nblocks // pieces:
+            return p
+    raise ValueError(index)
+
+
+def _piece_blocks(blocks: tuple[int, ...], piece: int, pieces: int) -> tuple[int, ...]:
+    n = len(blocks)
+    return blocks[piece * n // pieces : (piece + 1) * n // pieces]
+
+
+def _brief(detail: dict[str, Any]) -> str:
+    return " ".join(f"{k}={str(v)[:60]}" for k, v in detail.items())
+
+
+def _authentic(frame: bytes) -> bool:
+    try:
+        codec.decode(frame, JOB_KEY)
+    except KvownError:
+        return False
+    return True
 
 
 def run_seed(seed: int, config: SimConfig | None = None) -> dict[str, int]:

@@ -11,7 +11,7 @@ from corekit import G, RX, T, kinds, msg, receiver, sender
 from kvown.core.actions import AdmissionRefused, FailStop, Outcome, RetireBlocks
 from kvown.core.deadline import RetirementClock, timeout_ns_from_s
 from kvown.core.errors import ConfigError
-from kvown.core.events import CancelRequested, OpenReceive, OpenSend, PublicationSent, Tick
+from kvown.core.events import CancelRequested, OpenReceive, OpenSend, Tick
 from kvown.core.machine import CoreConfig
 from kvown.core.messages import KvResult, ResultStatus, SessionQuiesced
 
@@ -62,7 +62,6 @@ def test_late_trigger_is_anchored_at_the_request_deadline() -> None:
 def _cancelled_receiver():
     r = receiver()
     r.handle(OpenReceive(1, (0,), (1,)), 0)
-    r.handle(PublicationSent(1), 0)
     r.handle(CancelRequested(1), 100)  # drain starts at 100; fatal at 100 + G
     return r
 
@@ -80,7 +79,6 @@ def test_inclusive_boundary(at, retires) -> None:
 def test_timeout_is_anchored_at_the_request_deadline_even_when_noticed_late() -> None:
     r = receiver()
     r.handle(OpenReceive(1, (0,), (1,)), 0)
-    r.handle(PublicationSent(1), 0)
     out = r.handle(Tick(), T + 300)  # the driver is late by 300
     assert r.sessions[1].outcome is Outcome.TIMED_OUT and r.sessions[1].clock.drain_started_ns == T
     assert r.next_deadline_ns() == T + G
@@ -91,7 +89,6 @@ def test_timeout_is_anchored_at_the_request_deadline_even_when_noticed_late() ->
 def test_completion_at_the_deadline_cannot_replace_the_timeout() -> None:
     r = receiver()
     r.handle(OpenReceive(1, (0,), (1,)), 0)
-    r.handle(PublicationSent(1), 0)
     out = r.handle(msg(1, RX, KvResult(1, 1, 0, True, ResultStatus.SUCCESS, 0)), T)
     assert kinds(out)[:2] == ["Conclude", "SendControl:CancelSession"] and out[0].outcome is Outcome.TIMED_OUT
     assert kinds(out)[-1] == "RetireBlocks"  # the writer's stream ended: settled, so it retires
@@ -101,7 +98,6 @@ def test_completion_at_the_deadline_cannot_replace_the_timeout() -> None:
 def test_fatal_is_sticky_and_closes_admission_for_every_session() -> None:
     r = _cancelled_receiver()
     r.handle(OpenReceive(2, (1,), (2,)), 110)
-    r.handle(PublicationSent(2), 110)
     out = r.handle(Tick(), 100 + G)
     assert isinstance(out[0], FailStop) and out[0].request_id == 1 and r.fatal is out[0]
     assert r.next_deadline_ns() is None and r.check_fatal(10**9) is r.fatal

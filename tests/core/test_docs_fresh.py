@@ -6,12 +6,12 @@ import pathlib
 
 import pytest
 
-from kvown import docs_gen
+from kvown.apps import docs_gen
 
 
 @pytest.mark.timeout(10)
 def test_state_machine_docs_are_fresh() -> None:
-    assert docs_gen.main(["--check"]) == 0, "run: python -m kvown.docs_gen"
+    assert docs_gen.main(["--check"]) == 0, "run: python -m kvown.apps.docs_gen"
 
 
 @pytest.mark.timeout(10)
@@ -22,5 +22,5 @@ def test_check_detects_a_stale_file(tmp_path: pathlib.Path, monkeypatch: pytest.
     assert docs_gen.main(["--check"]) == 1
     assert docs_gen.main([]) == 0 and docs_gen.main(["--check"]) == 0
     text = stale.read_text()
-    for name in ("_on_publication_sent", "in_doubt", "backend_done", "stateDiagram-v2"):
+    for name in ("_on_repeat_release", "in_doubt", "backend_done", "stateDiagram-v2"):
         assert name in text

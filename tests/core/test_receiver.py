@@ -6,13 +6,12 @@ import pytest
 from corekit import G, RX, T, kinds, msg, receiver
 
 from kvown.core.actions import Conclude, FailStop, Outcome, SendControl
-from kvown.core.events import OpenReceive, PublicationSent, Tick
+from kvown.core.events import OpenReceive, Tick
 from kvown.core.messages import CancelSession
 
 
 def _open(r, rid=1, writers=(1,), slices=1, aux=-1, now=0):
     out = r.handle(OpenReceive(rid, (0, 1), writers, slices, aux), now)
-    out += r.handle(PublicationSent(rid), now)
     return out
 
 

@@ -14,6 +14,7 @@ from kvown.core.actions import (
     AdmissionRefused,
     Conclude,
     Deliver,
+    Disputed,
     FailStop,
     Outcome,
     PostWrite,
@@ -29,15 +30,17 @@ from kvown.core.events import (
     MessageReceived,
     OpenReceive,
     OpenSend,
-    PublicationSent,
     ReleaseRequested,
     SourceReady,
     Tick,
+    WatermarkSet,
     WriteCompleted,
     WriteFailed,
     WriteSubmitted,
 )
-from kvown.core.messages import AuxResult, KvResult, ResultStatus, SessionQuiesced
+from kvown.core.fence import CancelOrigin
+from kvown.core.ids import make_request_id
+from kvown.core.messages import AuxResult, Envelope, KvResult, ResultStatus, SessionQuiesced
 from kvown.core.streams import InboundStreams, OutboundStreams
 
 S, F, D, Q = ResultStatus.SUCCESS, ResultStatus.FAILED, ResultStatus.IN_DOUBT, ResultStatus.FAILED_QUIESCED
@@ -81,11 +84,9 @@ class Pair:
                 self.do(e.dst_rank, MessageReceived(e))
         raise AssertionError("control exchange did not converge")
 
-    def open(self, rid=1, blocks=(10, 11), writers=None, slices=1, aux=-1, failed=frozenset()):
+    def open(self, rid=1, blocks=(10, 11), writers=None, slices=1, aux=-1):
         writers = tuple(self.tx) if writers is None else writers
-        acts = self.do(RX, OpenReceive(rid, blocks, writers, slices, aux))
-        self.do(RX, PublicationSent(rid, frozenset(failed)))
-        return acts
+        return self.do(RX, OpenReceive(rid, blocks, writers, slices, aux))
 
     def send(self, w: int, rid=1, nblocks=2, pieces=1, ready=True):
         self.do(w, OpenSend(rid, tuple(range(nblocks)), pieces))
@@ -289,36 +290,41 @@ def test_ack_cannot_bypass_in_doubt_or_pending_local_completion() -> None:
 
 
 @T10
-def test_foreign_ack_raises_and_quarantines_unknown_and_unsolicited_acks_are_ignored() -> None:
+def test_foreign_ack_disputes_as_an_action_and_unknown_and_unsolicited_acks_are_ignored() -> None:
+    """Defect 14: invalid evidence used to raise PeerProtocolError after the dispute had already
+    changed state. Now the dispute is the returned action, and the module header says so."""
     p = Pair(writers=(1, 2))
     p.open(writers=(1,))
     p.flush()
-    with pytest.raises(PeerProtocolError) as info:
-        p.do(RX, MessageReceived(p.out[2].stamp(RX, SessionQuiesced(2, 1))))
-    assert info.value.field == "writer_rank" and p.rx.quarantined
+    out = p.do(RX, MessageReceived(p.out[2].stamp(RX, SessionQuiesced(2, 1))))
+    assert [type(a) for a in out] == [Disputed] and out[0].request_id == 1
+    assert p.rx.quarantined and p.rx.sessions[1].disputed
     p.do(RX, MessageReceived(p.out[1].stamp(RX, SessionQuiesced(1, 99))))  # unknown request
     p.do(RX, MessageReceived(p.out[1].stamp(RX, SessionQuiesced(1, 1))))  # never asked
-    assert p.rx.counters == {"stale_acks": 1, "unsolicited_acks": 1}
+    assert p.rx.counters == {"invalid_evidence": 1, "stale_acks": 1, "unsolicited_acks": 1}
     assert not p.rx.sessions[1].writers[1].acked
 
 
 @T10
-def test_partial_publication_narrows_the_cohort() -> None:
+def test_a_publication_lost_on_the_wire_still_holds_the_destination() -> None:
+    """Defect 1: a REQUEST_DATA whose send failed may still have been delivered, so its writer stays
+    published: without its answer the blocks never retire, and the deadline fail-stops instead."""
     p = Pair(writers=(7, 8))
-    p.open(writers=(7, 8), failed={8})
-    p.wire = [e for e in p.wire if e.dst_rank != 8]  # the driver failed to queue it
-    assert p.rx.sessions[1].outcome is Outcome.FAILED
+    p.open(writers=(7, 8), slices=2)
+    p.wire = [e for e in p.wire if e.dst_rank != 8]  # lost (or delivered: nobody knows)
+    p.do(RX, CancelRequested(1))
     p.flush()
-    assert p.from_writer(7) == ["ACK"] and p.retired()
+    assert p.from_writer(7) == ["ACK"] and not p.retired()
+    out = p.do(RX, Tick(), at=p.rx.next_deadline_ns())
+    assert isinstance(out[0], FailStop) and "writer 8" in out[0].detail and not p.retired()
 
 
 @T10
 def test_cancels_go_once_and_after_the_request_data() -> None:
     p = Pair()
     p.do(RX, OpenReceive(1, (1,), (1,)))
-    p.do(RX, CancelRequested(1))  # still publishing: the cancel must not overtake REQUEST_DATA
+    p.do(RX, CancelRequested(1))  # the cancel follows the REQUEST_DATA on the same stream
     p.do(RX, CancelRequested(1))
-    p.do(RX, PublicationSent(1))
     p.do(RX, CancelRequested(1))
     kinds = [type(e.message).__name__ for e in p.wire]
     assert kinds == ["RequestData", "CancelSession"]
@@ -421,7 +427,113 @@ def test_repeated_done_is_idempotent_and_poisoned_sender_posts_nothing() -> None
     p2.submit_all(1)
     p2.do(1, WriteFailed(p2.posts[1][0].op_id, "x"))
     p2.do(RX, OpenReceive(6, (1, 2), (1,)))
-    p2.do(RX, PublicationSent(6))
     p2.flush()
     p2.send(1, rid=6)
     assert [a.request_id for a in p2.posts[1]] == [5]  # nothing posted after the poison
+
+
+# ---- defects found under review (issue 7): each test failed before its fix ------------------------
+
+
+@T10
+@pytest.mark.parametrize("selected_first", [True, False], ids=["success_first", "decline_first"])
+def test_broadcast_decline_from_a_candidate_is_not_a_second_claim(selected_first) -> None:
+    """Defect 5: a non-selected (fenced) broadcast candidate answers FAILED with is_last. That is a
+    decline - nothing was posted - not a claim on the slice, in either order against the SUCCESS."""
+    p = Pair(writers=(1, 2))
+    p.do(2, CancelRequested(1))  # candidate 2 is fenced: it declines any publication
+    p.open()  # broadcast: two candidates for one slice
+    if selected_first:
+        p.flush(only_to=1)
+        p.send(1)
+        p.complete_all(1)
+        p.flush(only_to=RX)
+    p.flush()
+    if not selected_first:
+        assert p.rx.sessions[1].outcome is None  # candidate 1 may still deliver the slice
+        p.send(1)
+        p.complete_all(1)
+        p.flush()
+    assert p.from_writer(2)[0] == F and p.from_writer(1) == [S]  # an ACK may follow the decline
+    assert not p.rx.quarantined and not p.rx.sessions[1].disputed
+    assert Deliver(1) in p.actions[RX]
+    p.do(RX, ReleaseRequested(1))
+    assert p.retired()
+
+
+@T10
+def test_broadcast_fails_when_every_candidate_of_a_slice_declined() -> None:
+    p = Pair(writers=(1, 2))
+    for w in (1, 2):
+        p.do(w, CancelRequested(1))
+    p.open()
+    p.flush()
+    assert p.from_writer(1) == [F] and p.from_writer(2) == [F]
+    assert p.retired() and Conclude(1, Outcome.FAILED, "writer 2 failed piece ('kv', 0)") in p.actions[RX]
+
+
+@T10
+def test_a_saved_publication_gets_the_block_count_check_of_a_live_one() -> None:
+    """Defect 7: REQUEST_DATA that arrived before OpenSend skipped the length check, and a PostWrite
+    with a short destination came out. Now the writer declines it and posts nothing."""
+    p = Pair()
+    p.open(blocks=(10,))  # one destination block ...
+    p.flush()
+    p.send(1, nblocks=2)  # ... for two source blocks
+    assert p.posts[1] == [] and p.tx[1].counters["invalid_publications"] == 1
+    p.flush()
+    assert p.from_writer(1) == [F] and p.retired()
+
+
+@T10
+@pytest.mark.parametrize("when", ["cancel_after_saved", "born_cancelled"])
+def test_a_cancelled_sender_answers_saved_publications_at_once(when) -> None:
+    """Defect 8: a pre-cancelled sender dropped saved publications silently, and the receiver waited out
+    its whole timeout. Now each gets a final FAILED at once."""
+    p = Pair()
+    p.open()
+    p.flush()  # REQUEST_DATA saved at the writer (no session yet)
+    if when == "cancel_after_saved":
+        p.do(1, CancelRequested(1))
+    else:
+        p.tx[1].fence.install(1, CancelOrigin.CLIENT)  # fenced by an earlier event, then the session opens
+        p.send(1)
+    p.flush()
+    assert p.from_writer(1) == [F] and p.retired() and p.now < T
+
+
+@T10
+def test_the_core_refuses_a_message_for_another_rank_and_stale_epochs() -> None:
+    """Defect 9: the core accepted an envelope addressed to another rank (only the stream layer refused
+    it), and admission ignored this rank's own watermark."""
+    p = Pair()
+    misaddressed = MessageReceived(Envelope(1, RX + 1, 0, KvResult(1, 1, 0, True, S, 0)))
+    with pytest.raises(PeerProtocolError) as info:
+        p.rx.handle(misaddressed, 0)
+    assert info.value.field == "dst_rank"
+    p.rx.handle(WatermarkSet(5), 0)
+    out = p.rx.handle(OpenReceive(make_request_id(4, 1), (1,), (1,)), 0)
+    assert [type(a) for a in out] == [AdmissionRefused] and not p.rx.sessions
+    assert p.tx[1].handle(WatermarkSet(5), 0) is not None
+    out = p.tx[1].handle(OpenSend(make_request_id(4, 2), (1,)), 0)
+    assert [type(a) for a in out] == [AdmissionRefused]
+
+
+@T10
+def test_a_local_copy_after_delivery_gets_its_own_clock() -> None:
+    """Defect 6: a claim that appeared on a DELIVERED session was never scheduled and inherited the old
+    request deadline, so check_fatal said fatal while handle(Tick) said nothing."""
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1)
+    p.complete_all(1)
+    p.flush()
+    assert Deliver(1) in p.actions[RX]
+    start = T + G + 50  # the consumer read for longer than timeout + grace, then queued a copy
+    p.do(RX, LocalCompletionPending(1, 3), at=start)
+    assert p.rx.check_fatal(start + G - 1) is None
+    assert p.rx.next_deadline_ns() == start + G
+    predicted = p.rx.check_fatal(start + G)
+    out = p.do(RX, Tick(), at=start + G)
+    assert predicted is not None and isinstance(out[0], FailStop) and "local completion 3" in out[0].detail

@@ -15,7 +15,6 @@ from kvown.core.events import (
     LocalCompletionPending,
     OpenReceive,
     OpenSend,
-    PublicationSent,
     ReleaseRequested,
     SourceReady,
     WriteCompleted,
@@ -29,7 +28,6 @@ from kvown.core.receiver import PEER_INPUTS, RX_TRANSITIONS, RxInput, RxState
 from kvown.core.sender import OP_TRANSITIONS, Operation, OpInput, OpState, PieceKind
 
 RX_EVENTS = {
-    RxInput.PUBLICATION_SENT: lambda: PublicationSent(1),
     RxInput.CANCEL: lambda: CancelRequested(1),
     RxInput.RESULT: lambda: msg(1, RX, KvResult(1, 1, 0, False, ResultStatus.SUCCESS, 0)),
     RxInput.QUIESCED: lambda: msg(1, RX, SessionQuiesced(1, 1)),
@@ -62,7 +60,7 @@ def test_receiver_pair(state: RxState, kind: RxInput, monkeypatch: pytest.Monkey
     r.handle(OpenReceive(1, (0,), (1,)), 0)
     s = r.sessions[1]
     s.state = state
-    s.local_pending.add(5)
+    s.local_pending[5] = 0
     handler = RX_TRANSITIONS.get((state, kind))
     if handler is not None:
         called = []

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernels import nvfp4
-from kvown import doctor
+from kvown.apps import doctor
 from kvown.cache import KVLayout, KVPool
-from kvown.doctor import CheckStatus
+from kvown.apps.doctor import CheckStatus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -34,7 +34,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def scenario_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("world") / "scenarios.json"
-    proc = run(mpirun(3) + [sys.executable, "-m", "kvown.qualify_world", str(out)], 240)
+    proc = run(mpirun(3) + [sys.executable, "-m", "kvown.apps.qualify_world", str(out)], 240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -55,7 +55,7 @@ def test_scenario(scenario_results, name):
 @pytest.mark.parametrize("layout", ["nvfp4", "mla"])
 def test_qualify_passes_for_other_layouts(tmp_path, layout):
     out = tmp_path / "checks.json"
-    proc = run([sys.executable, "-m", "kvown.qualify", "--layout", layout, "--json", str(out)], 280)
+    proc = run([sys.executable, "-m", "kvown.apps.qualify", "--layout", layout, "--json", str(out)], 280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = json.loads(out.read_text())
     assert set(checks) == set(EXPECTED)

@@ -19,7 +19,7 @@ LAYOUT = KVLayout.standard(num_layers=2, num_blocks=32, tokens_per_block=16, num
 def pair():
     kill = KillRecorder()
     world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT,
-                        config=TransferConfig(transfer_timeout_s=0.5, grace_s=0.5), kill=kill)
+                        config=TransferConfig(transfer_timeout_s=0.5, grace_s=0.5, fault=""), kill=kill)
     yield world[0], world[1], kill
     for rt in world.values():
         rt.watchdog.stop()
@@ -41,7 +41,7 @@ def test_no_write_is_posted_before_the_producer_signals(pair):
     hs = tx.sender.send(rid, (3, 4), ready=token)
     time.sleep(0.2)  # plenty of engine iterations: REQUEST_DATA arrived, the session is open
     assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
-    assert tx.engine.call(lambda e: len(e._writes)) == 0
+    assert tx.engine.call(lambda d: len(d._writes)) == 0
     assert not h.landed.is_set()
     for j, b in enumerate((3, 4)):  # the "KV write" happens now, then the producer signals
         fill_pattern(tx.engine.pool.block_view(b), rid, 0, j)

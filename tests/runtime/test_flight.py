@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from kvown.core.actions import FatalReason
-from kvown.runtime.flight import FLIGHT_DIR_ENV, FlightRecorder, inspect_main, read_flight_file
+from kvown.apps.inspect import inspect_main
+from kvown.runtime.flight import FLIGHT_DIR_ENV, FlightRecorder, read_flight_file
 
 
 @pytest.mark.timeout(10)

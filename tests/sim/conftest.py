@@ -2,7 +2,7 @@
 
 Options:
   --kvown-seed N    replay exactly one seed (prints its decision log on failure)
-  --kvown-seeds N   how many seeds to run (default 200; CI runs at least 200 in well under 60 s)
+  --kvown-seeds N   how many seeds to run (default 1000: the CI budget)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from kvown.testing.clockguard import forbid_real_clock
 
-DEFAULT_SEEDS = 200
+DEFAULT_SEEDS = 1000
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,6 +1,8 @@
-"""Deliberately broken cores: each mutant patches one named guard of the real core classes, and the
-simulator must catch it (InvariantViolation, which includes detected corruption) within the CI seed
-budget. A mutant that survives means the simulator's oracles or workloads have a blind spot."""
+"""Deliberately broken code: each mutant patches one guard of the real production code (cores, streams,
+driver), and the simulator must catch it - with the oracle it breaks, by tag - within the seed budget.
+The seed that catches a mutant must run clean without it, and mutant state lives in the world it
+patched, so a seed replays identically. A mutant that survives means an oracle or the workload has a
+blind spot."""
 
 from __future__ import annotations
 
@@ -8,24 +10,17 @@ import pytest
 
 from kvown.core.actions import Outcome
 from kvown.core.deadline import RetirementClock
-from kvown.core.errors import InvariantViolation
+from kvown.core.errors import AdapterError, InvariantViolation
 from kvown.core.fence import CancellationFence
-from kvown.core.messages import SessionQuiesced
+from kvown.core.messages import ResultStatus, SessionQuiesced
 from kvown.core.receiver import ReceiverCore, ReceiveSession, _Writer
+from kvown.core import receiver as receiver_module
 from kvown.core.sender import SenderCore, _Stream
 from kvown.core.streams import InboundStreams
+from kvown.runtime.driver import Driver
 from kvown.testing.sim import SimWorld
 
-SEED_BUDGET = 200  # the CI budget: every mutant must die within it
-
-
-def _first_caught(budget: int = SEED_BUDGET) -> tuple[int, InvariantViolation]:
-    for seed in range(budget):
-        try:
-            SimWorld(seed).run()
-        except InvariantViolation as e:
-            return seed, e
-    pytest.fail(f"mutant survived {budget} seeds")
+SEED_BUDGET = 1000  # every mutant must die within the CI budget
 
 
 def retire_on_cancel_without_ack(mp: pytest.MonkeyPatch) -> None:
@@ -65,20 +60,22 @@ def resettable_deadline(mp: pytest.MonkeyPatch) -> None:
 
 
 def fence_consumed_once(mp: pytest.MonkeyPatch) -> None:
-    """The legacy behaviour: a fence is forgotten after the first lookup that found it."""
+    """The legacy behaviour: a fence is forgotten after the first lookup that found it (per fence)."""
     original = CancellationFence.is_fenced
-    consumed: set[tuple[int, int]] = set()
 
     def once(self, request_id):
-        key = (id(self), request_id)
-        if key in consumed:
+        consumed = _SIDE.setdefault(id(self), (self, set()))[1]  # per fence, so per world
+        if request_id in consumed:
             return False
         hit = original(self, request_id)
         if hit:
-            consumed.add(key)
+            consumed.add(request_id)
         return hit
 
     mp.setattr(CancellationFence, "is_fenced", once)
+
+
+_SIDE: dict[int, tuple[object, set[int]]] = {}  # fence -> consumed ids; holds the fence so ids never repeat
 
 
 def first_failure_retires_despite_active_sibling(mp: pytest.MonkeyPatch) -> None:
@@ -115,32 +112,73 @@ def in_doubt_settles_on_ack(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(_Writer, "settled", property(lambda w: w.stream_ended or w.acked))
 
 
-MUTANTS = [
-    retire_on_cancel_without_ack,
-    ack_before_in_flight_write_done,
-    ack_from_unpublished_writer,
-    resettable_deadline,
-    fence_consumed_once,
-    first_failure_retires_despite_active_sibling,
-    post_before_source_ready,
-    streams_redeliver_duplicates,
-    in_doubt_settles_on_ack,
+def driver_forgets_a_failed_send(mp: pytest.MonkeyPatch) -> None:
+    """Defects 1 and 2: a control frame whose send raised is given up (it may never have left), leaving a
+    hole in the stream that stalls every later frame until a deadline."""
+
+    def forget(self, dst, pending, exc: AdapterError) -> None:
+        pending.frames.popleft()
+
+    mp.setattr(Driver, "_note_send_failure", forget)
+
+
+def decline_claims_the_slice(mp: pytest.MonkeyPatch) -> None:
+    """Defect 5: a broadcast candidate's honest FAILED (a decline) claims the slice like a write would."""
+    mp.setattr(receiver_module, "TOUCHING", frozenset(ResultStatus))
+
+
+def local_copy_inherits_the_request_deadline(mp: pytest.MonkeyPatch) -> None:
+    """Defect 6: a local copy gets no clock of its own; its claim rides on the session's old deadline."""
+
+    def old_deadline(self, s):
+        return s.clock.fatal_deadline_ns if s.has_claims() else None
+
+    mp.setattr(ReceiverCore, "_fatal_deadline_ns", old_deadline)
+
+
+MUTANTS = [  # (mutant, the oracle tag it must trip)
+    (retire_on_cancel_without_ack, "a"),
+    # an early ack either lets the receiver retire under a live WRITE (a), or the result that follows the
+    # ack on the stream exposes the lie and the receiver disputes it (c): both are this mutant's footprint
+    (ack_before_in_flight_write_done, ("a", "c")),
+    (ack_from_unpublished_writer, "a"),
+    (resettable_deadline, "b"),
+    (fence_consumed_once, "d"),
+    (first_failure_retires_despite_active_sibling, "a"),
+    (post_before_source_ready, "f"),
+    (streams_redeliver_duplicates, "c"),
+    (in_doubt_settles_on_ack, "a"),
+    (driver_forgets_a_failed_send, "g"),
+    (decline_claims_the_slice, "c"),
+    (local_copy_inherits_the_request_deadline, "b"),
 ]
+
+
+def _first_caught(budget: int = SEED_BUDGET) -> tuple[int, InvariantViolation]:
+    for seed in range(budget):
+        try:
+            SimWorld(seed).run()
+        except InvariantViolation as e:
+            return seed, e
+    pytest.fail(f"mutant survived {budget} seeds")
+
+
+@pytest.mark.sim
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("mutant", "tag"), MUTANTS, ids=[m.__name__ for m, _ in MUTANTS])
+def test_simulator_catches_mutant(mutant, tag, monkeypatch: pytest.MonkeyPatch) -> None:
+    mutant(monkeypatch)
+    seed, error = _first_caught()
+    _SIDE.clear()
+    assert error.seed == seed and f"seed={seed}" in str(error)  # the report names the seed to replay
+    assert error.tag in tag, f"caught by the wrong oracle ({error.tag}, not {tag}): {str(error)[:400]}"
+    monkeypatch.undo()
+    SimWorld(seed).run()  # the catching seed is clean without the mutant
 
 
 @pytest.mark.sim
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.__name__ for m in MUTANTS])
-def test_simulator_catches_mutant(mutant, monkeypatch: pytest.MonkeyPatch) -> None:
-    mutant(monkeypatch)
-    seed, error = _first_caught()
-    assert error.seed == seed
-    assert f"seed={seed}" in str(error)  # the report names the seed to replay
-
-
-@pytest.mark.sim
-@pytest.mark.timeout(30)
-def test_unmutated_core_passes_the_first_seeds() -> None:
+def test_unmutated_code_passes_the_first_seeds() -> None:
     """The control: without a mutant the same seeds are clean."""
     for seed in range(20):
         SimWorld(seed).run()

@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 
 from kvown.adapters.mpi import process_start_ticks  # noqa: E402
 from kvown.core.actions import FailStop, FatalReason  # noqa: E402
-from kvown.core.events import OpenReceive, PublicationSent  # noqa: E402
+from kvown.core.events import OpenReceive  # noqa: E402
 from kvown.core.machine import CoreConfig  # noqa: E402
 from kvown.core.receiver import ReceiverCore  # noqa: E402
 from kvown.runtime.failstop import (  # noqa: E402
@@ -116,7 +116,6 @@ def hold_claim(runtime, deadline_ns: int) -> None:  # type: ignore[no-untyped-de
     with lock:  # the real receiver core: request 7 published to writer 1, which never answers
         exposed_ns = deadline_ns - core.config.timeout_ns - core.config.grace_ns
         core.handle(OpenReceive(REQUEST_ID, (0, 1), (1,)), exposed_ns)
-        core.handle(PublicationSent(REQUEST_ID), exposed_ns)
     watchdog.wake()
     if args.block_logger:
         block_logging_forever()

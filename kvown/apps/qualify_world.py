@@ -29,7 +29,7 @@ from kvown.adapters import codec  # noqa: E402
 
 import argparse  # noqa: E402
 
-_ap = argparse.ArgumentParser(prog="kvown.qualify_world")
+_ap = argparse.ArgumentParser(prog="kvown.apps.qualify_world")
 _ap.add_argument("--layout", choices=["standard", "mla", "nvfp4"], default="standard")
 _ap.add_argument("--device", default="cpu")
 _ap.add_argument("out")
@@ -43,7 +43,7 @@ LAYOUT = {
     "mla": lambda: KVLayout.mla(latent_dim=576, dtype="bfloat16", **_SHAPE),
     "nvfp4": lambda: KVLayout.nvfp4(num_kv_heads=2, head_dim=128, **_SHAPE),
 }[ARGS.layout]()
-rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0),
+rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0, fault="", canary=True),
                  roles={"receiver"} if rank == RX else {"sender"}, device=ARGS.device)
 pool = rt.engine.pool
 results: dict[str, dict[str, bool]] = {}
@@ -139,7 +139,7 @@ def cancel_before_publication(r):
 @scenario
 def cancel_mid_transfer(r):
     if rank == W0:
-        rt.engine.inject_fault("slow-writer:nth=1:ms=400")  # the next WRITE reports DONE only after 400 ms
+        rt.inject_fault("slow-writer:nth=1:ms=400")  # the next WRITE reports DONE only after 400 ms
         hs = rt.sender.send(r, (20, 21, 22))
         deadline = time.monotonic() + 5
         while rt.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
@@ -147,7 +147,7 @@ def cancel_mid_transfer(r):
         comm.send("posted", dest=RX, tag=11)
         check("cancel_mid_transfer", sender_cancelled=outcome(hs) is Outcome.CANCELLED,
               sender_released_after_done=hs.released.wait(5))
-        rt.engine.inject_fault("")
+        rt.inject_fault("")
     elif rank == RX:
         h = rt.receiver.receive(r, 3, (W0,))
         recv(W0, 11)
@@ -243,7 +243,7 @@ def hostile_frames(r):
     rejected by the size cap before anything else; that is tested in-process, because UCX itself
     fails notifications of about a MiB now and then under load, after send_notif returned.)"""
     if rank == W1:  # an insider or a stranger
-        agent, key = rt.engine.peers[RX].agent_name, rt.engine.key
+        agent, key = rt.driver.transport.peers[RX].agent_name, rt.driver.key
         result = KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)
         frames = {
             "garbage": b"\x00garbage",
@@ -254,7 +254,7 @@ def hostile_frames(r):
         }
 
         def send_one(frame: bytes):  # on the engine thread, which owns the agent; the raw agent
-            return lambda engine: engine.endpoint._agent.send_notif(agent, frame)  # skips kvown's checks
+            return lambda driver: driver.transport.endpoint._agent.send_notif(agent, frame)  # skips kvown's checks
 
         sent: list[str] = []
         recv(RX, 16)  # the receiver has taken its "before" snapshot

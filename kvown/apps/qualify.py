@@ -1,6 +1,6 @@
 """``kvown qualify``: run the ownership scenarios in a real 3-rank world and report each check.
 
-Owns: the launcher and the verdict table. The world itself is ``kvown.qualify_world``.
+Owns: the launcher and the verdict table. The world itself is ``kvown.apps.qualify_world``.
 
 Use it to qualify a deployment: the hosts (``--hosts a,b,c`` places ranks on nodes), the KV layout
 (``--layout nvfp4``) and the device (``--device cuda``) you will run. Exit code 0 only if every check
@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from kvown.launch import mpirun_command
+from kvown.apps.launch import mpirun_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = mpirun_command(3)
     if args.hosts:
         cmd += ["--host", args.hosts]
-    cmd += [sys.executable, "-m", "kvown.qualify_world", "--layout", args.layout, "--device", args.device, out]
+    cmd += [sys.executable, "-m", "kvown.apps.qualify_world", "--layout", args.layout, "--device", args.device, out]
     print(f"kvown qualify: layout {args.layout}, device {args.device}, hosts {args.hosts or 'this one'}", flush=True)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s,

@@ -8,8 +8,9 @@ Rules:
   2. Every source block is filled with ``fill_pattern(request, 0, block index)`` *after* its send
      session was opened and *before* its write-ready token is signalled; a WRITE posted early would
      carry stale bytes and fail verification (the demo checks the gating for real).
-  3. Every landed request is verified block by block; every retired block is stamped with a canary
-     that is checked when the run ends (a late write after retirement would break it).
+  3. Every landed request is verified block by block. The runtime's retirement canaries are on: a
+     late write into a retired block is caught when the block is handed out again (the rank then
+     fail-stops) or by the check of every free block when the run ends.
   4. Every wait is bounded by ``--deadline-s``.
 """
 
@@ -22,7 +23,6 @@ import os
 import random
 import sys
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +32,9 @@ from kvown.adapters.cuda import WriteTracker
 from kvown.cache.layout import KVLayout
 from kvown.core.actions import Outcome
 from kvown.core.ids import make_request_id
-from kvown.runtime.bootstrap import connect_mpi
+from kvown.rank import connect_mpi
 from kvown.runtime.config import TransferConfig
 
-CANARY = 0xA5
 GO_TAG = 7  # context-first: "prefill done, publish now" (context rank -> generation rank)
 
 
@@ -114,21 +113,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
            "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [], "canary_broken": 0}
     block_nbytes = pool.layout.block_nbytes
     expected = torch.empty(block_nbytes, dtype=torch.uint8)
-    retired_blocks: set[int] = set()
     last_progress = 0.0
-
-    def stamp(blocks: tuple[int, ...]) -> None:  # engine thread, right after retirement (rule 3)
-        for b in blocks:
-            pool.block_view(b).fill_(CANARY)
-        retired_blocks.update(blocks)
-
-    def check(blocks: tuple[int, ...]) -> None:  # engine thread, right after allocation, before publication
-        for b in blocks:
-            if b in retired_blocks and not bool((pool.block_view(b) == CANARY).all()):
-                out["canary_broken"] += 1  # a late write landed after retirement
-        retired_blocks.difference_update(blocks)
-
-    rt.engine.on_retire, rt.engine.on_allocate = stamp, check
     while (pending or open_) and time.monotonic() < deadline:
         if args.context_first:
             while comm.Iprobe(source=MPI.ANY_SOURCE, tag=GO_TAG):
@@ -188,8 +173,8 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
             _write_atomic(progress_path, f"{done} {len(mine)}")
         time.sleep(0.0002)
     time.sleep(0.05)  # let any stray late write land before the final canary check
-    rt.engine.submit(("call", lambda engine: check(tuple(retired_blocks)), fut := Future()))
-    fut.result(10)
+    free = rt.engine.call(lambda driver: tuple(driver.pool._free))
+    out["canary_broken"] = len(rt.engine.call(lambda driver: driver.canaries.check(free)))
     out["unfinished"] = len(open_) + len(pending)
     stats = rt.engine.statistics()
     out["blocks_held_at_end"] = stats["pool"]["held"] + stats["pool"]["owned"]
@@ -221,7 +206,7 @@ def _apply_mutant(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvown.demo_rank")
+    ap = argparse.ArgumentParser(prog="kvown.apps.demo_rank")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cancel-rate", type=float, default=0.2)
@@ -249,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     size = comm.Get_size()
     ctx, gen = list(range(size // 2)), list(range(size // 2, size))
     role = "sender" if comm.Get_rank() in ctx else "receiver"
-    config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, fault=args.fault)
+    config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, fault=args.fault or None,
+                            canary=True)
     rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
     plan = make_plan(args, ctx, gen)
     comm.Barrier()

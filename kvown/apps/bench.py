@@ -23,9 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvown.launch import mpirun_command
+from kvown.apps.launch import mpirun_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 # name -> (script, ranks under mpirun or None for a plain process, one-line help)

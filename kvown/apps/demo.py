@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from kvown.launch import mpirun_command
+from kvown.apps.launch import mpirun_command
 from typing import Any
 
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_args += ["--mutant", args.mutant]
     env = dict(os.environ, KVOWN_FLIGHT_DIR=flight_dir, PYTHONUNBUFFERED="1")
     try:
-        cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.demo_rank", *rank_args]
+        cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.apps.demo_rank", *rank_args]
     except FileNotFoundError as exc:
         raise SystemExit(f"kvown demo: {exc}") from None
     print(f"kvown demo: {args.ranks} ranks, {args.requests} requests, seed {args.seed}"
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report_fault(rc, wall_s, flights, timeout_s)
     if rc != 0 or not os.path.exists(out):
         print(f"kvown demo: the world failed (exit code {rc}); flight recorders: {flights or 'none'}", file=sys.stderr)
+        for path in flights:
+            print(f"  {path}: {_fail_stop_reason(path)}", file=sys.stderr)
         return 1
     with open(out) as f:
         summary = summarize(json.load(f), wall_s, args)
@@ -191,6 +193,16 @@ def _run_with_progress(cmd: list[str], env: dict, workdir: str, out: str, args: 
         tail = open(os.path.join(workdir, "world.log")).read()[-3000:]
         print(tail, file=sys.stderr)
     return rc
+
+
+def _fail_stop_reason(path: str) -> str:
+    """The reason and detail in a flight recorder's header line."""
+    try:
+        with open(path) as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError):
+        return "unreadable"
+    return f"{header.get('reason')}: {str(header.get('detail', ''))[:300]}"
 
 
 def _report_fault(rc: int, wall_s: float, flights: list[str], timeout_s: float) -> int:

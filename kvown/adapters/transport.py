@@ -1,0 +1,260 @@
+"""The transport a driver talks to: one NIXL agent, seen in kvown's terms (ranks, blocks, frames).
+
+Owns: this rank's ``NixlEndpoint``; the registration of its block space and aux slots; every peer's
+record (``PeerInfo``: agent, block space, aux address, roles); the prepped descriptor lists of whole
+blocks, ours and one per peer; and the map from agent names to ranks.
+
+Rules:
+  1. One call per action. ``send`` carries one sealed control frame; ``write`` carries one
+     ``PostWrite``. Descriptors, byte ranges, addresses and NIXL's tri-state "posted" flag stay here.
+  2. ``write`` answers with exactly one typed outcome: ``Posted`` (poll the handle until DONE),
+     ``NotPosted`` (nothing can touch memory) or ``InDoubt`` (the post raised part-way: the handle is
+     rooted, poll it; only DONE proves quiescence). It never raises for a bad destination: a peer's
+     block id out of range is ``NotPosted`` (our checks refused it before NIXL saw it).
+  3. ``send`` raising ``AdapterError`` means *delivery unknown*: NIXL may or may not have sent it.
+  4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; a frame from an agent that is not
+     a known peer comes back with rank ``None`` (the driver counts and drops it).
+  5. Called from one thread only (the engine thread), like the endpoint below it.
+
+Invariants:
+  INV-T1  A ``PostWrite`` of whole blocks posts exactly the chunks of those blocks in every region,
+          on both sides (``BlockSpace.indices``); a head-sliced one exactly its slice.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvown.adapters.nixl import MemKind, NixlEndpoint, XferHandle, XferStatus
+from kvown.cache.space import BlockSpace
+from kvown.core.actions import PieceKind, PostWrite
+from kvown.core.errors import AdapterError, KvownError, PeerProtocolError
+from kvown.core.messages import CAPABILITIES, MAX_RANK, PROTOCOL_VERSION, Hello, check_hello
+
+
+class Role(enum.Enum):
+    """What a rank does: write KV (context/prefill) or receive it (generation/decode)."""
+
+    SENDER = "sender"
+    RECEIVER = "receiver"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What one rank publishes about itself at start-up (exchanged by allgather or a registry)."""
+
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    space: BlockSpace
+    aux_addr: int
+    aux_slot_nbytes: int
+    geometry_digest: str
+    protocol_version: int
+    capabilities: tuple[str, ...]
+    roles: frozenset[Role]
+
+    def to_wire(self) -> list[Any]:
+        return [self.rank, self.agent_name, self.agent_metadata, self.space.to_wire(), self.aux_addr,
+                self.aux_slot_nbytes, self.geometry_digest, self.protocol_version, list(self.capabilities),
+                sorted(r.value for r in self.roles)]
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> PeerInfo:
+        """A peer's record from untrusted bytes' decoded form. Raises ``PeerProtocolError(field=...)``."""
+        names = ("rank", "agent_name", "agent_metadata", "space", "aux_addr", "aux_slot_nbytes",
+                 "geometry_digest", "protocol_version", "capabilities", "roles")
+        if not isinstance(obj, (list, tuple)) or len(obj) != len(names):
+            raise PeerProtocolError("peer record must be a list of 10 fields", field="peer_info")
+        raw = dict(zip(names, obj))
+        for name in ("rank", "aux_addr", "aux_slot_nbytes", "protocol_version"):
+            value = raw[name]
+            if type(value) is not int or not 0 <= value < 1 << 63:
+                raise PeerProtocolError("expected a non-negative integer", field=name, value=repr(value)[:40])
+        if raw["rank"] > MAX_RANK:
+            raise PeerProtocolError("rank out of range", field="rank", value=raw["rank"])
+        name = raw["agent_name"]
+        if type(name) is not str or not 0 < len(name) <= 256:
+            raise PeerProtocolError("agent name must be a short non-empty string", field="agent_name")
+        metadata = raw["agent_metadata"]
+        if not isinstance(metadata, (bytes, bytearray)) or not metadata:
+            raise PeerProtocolError("agent metadata must be non-empty bytes", field="agent_metadata")
+        digest = raw["geometry_digest"]
+        if type(digest) is not str or len(digest) != 64:
+            raise PeerProtocolError("expected a sha256 hex digest", field="geometry_digest")
+        caps = raw["capabilities"]
+        if not isinstance(caps, (list, tuple)) or not all(type(c) is str and 0 < len(c) <= 32 for c in caps):
+            raise PeerProtocolError("capabilities must be short strings", field="capabilities")
+        roles = raw["roles"]
+        try:
+            role_set = frozenset(Role(r) for r in roles) if isinstance(roles, (list, tuple)) else None
+        except ValueError:
+            role_set = None
+        if not role_set:
+            raise PeerProtocolError("roles must name sender and/or receiver", field="roles")
+        return cls(raw["rank"], name, bytes(metadata), BlockSpace.from_wire(raw["space"]), raw["aux_addr"],
+                   raw["aux_slot_nbytes"], digest, raw["protocol_version"], tuple(caps), role_set)
+
+    def hello(self) -> Hello:
+        return Hello(self.rank, self.protocol_version, self.capabilities, self.geometry_digest)
+
+
+def check_peer(local: PeerInfo, peer: PeerInfo) -> None:
+    """Refuse a peer we cannot safely exchange KV with, naming the field (version, capabilities,
+    geometry, block-space shape, aux slot size). Called: at start-up, once per peer."""
+    check_hello(local.hello(), peer.hello())
+    if peer.space.shape_digest() != local.space.shape_digest():
+        raise PeerProtocolError("peer's KV block regions differ", field="space", peer_rank=peer.rank,
+                                got=peer.space.describe(), want=local.space.describe())
+    if peer.aux_slot_nbytes != local.aux_slot_nbytes:
+        raise PeerProtocolError("peer's aux slot size differs", field="aux_slot_nbytes", peer_rank=peer.rank,
+                                got=peer.aux_slot_nbytes, want=local.aux_slot_nbytes)
+
+
+# ---- write outcomes (rule 2) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Posted:
+    """The WRITE is on the wire; poll ``handle`` until DONE (or ERROR: in doubt)."""
+
+    handle: XferHandle
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class NotPosted:
+    """Refused before anything was posted: nothing can touch memory."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class InDoubt:
+    """Posting raised part-way: the backend may be writing. ``handle`` is rooted; poll it until DONE."""
+
+    handle: XferHandle
+    reason: str
+
+
+WriteOutcome = Posted | NotPosted | InDoubt
+
+
+class Transport(Protocol):
+    """What a driver needs from its transport (``KVTransport`` here; fault-injecting wrappers in
+    ``kvown.testing.faults``)."""
+
+    def send(self, rank: int, frame: bytes) -> None: ...
+    def receive(self) -> list[tuple[int | None, bytes]]: ...
+    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome: ...
+    def poll(self, handle: Any) -> XferStatus: ...
+    def release(self, handle: Any) -> None: ...
+
+
+class KVTransport:
+    """``Transport`` over one ``NixlEndpoint`` (real NIXL, or the fake library in ``kvown.testing``)."""
+
+    def __init__(self, endpoint: NixlEndpoint, rank: int, space: BlockSpace, aux: Any, *, aux_slot_nbytes: int,
+                 roles: frozenset[Role], geometry_digest: str) -> None:
+        """Register ``space`` and the aux tensor ``aux`` with ``endpoint``.
+
+        Called: once per rank at start-up, on the thread that will own the endpoint.
+        Ownership: the caller keeps the memory alive until ``close``.
+        After error: ``AdapterError`` from the registration; nothing else was done.
+        """
+        self.endpoint = endpoint
+        self.rank = rank
+        self.space = space
+        self._mem = MemKind(space.mem)
+        for region in space.regions:  # one registration per region: chunks are never merged across them
+            last = region.base_addr + (space.num_blocks - 1) * region.stride_nbytes + region.chunk_nbytes
+            endpoint.register(region.base_addr, last - region.base_addr, self._mem, space.device_id)
+        endpoint.register(aux.data_ptr(), aux.numel() * aux.element_size(), MemKind.DRAM)
+        self._aux_addr = aux.data_ptr()
+        self._aux_slot_nbytes = aux_slot_nbytes
+        self.info = PeerInfo(rank, endpoint.name, endpoint.metadata(), space, self._aux_addr, aux_slot_nbytes,
+                             geometry_digest, PROTOCOL_VERSION, CAPABILITIES, roles)
+        self.peers: dict[int, PeerInfo] = {}
+        self._rank_of: dict[str, int] = {}
+        self._local_prep: Any = None
+        self._remote_prep: dict[int, Any] = {}
+
+    def connect(self, peers: dict[int, PeerInfo]) -> None:
+        """Check and load every peer, and prep the block descriptor lists (ours and theirs).
+
+        Called: once at start-up, after the peer records were exchanged, owner thread.
+        After error: ``PeerProtocolError`` naming the field of the first incompatible peer (nothing
+        was loaded), or ``AdapterError`` from NIXL.
+        """
+        for peer in peers.values():
+            check_peer(self.info, peer)
+        addrs, sizes = self.space.descriptors()
+        self._local_prep = self.endpoint.prep_descs(addrs, sizes, self._mem, device_id=self.space.device_id)
+        for rank, peer in sorted(peers.items()):
+            agent = self.endpoint.add_peer(peer.agent_metadata)
+            if agent != peer.agent_name:
+                raise PeerProtocolError("metadata names another agent", field="agent_name", peer_rank=rank)
+            addrs, sizes = peer.space.descriptors()
+            self._remote_prep[rank] = self.endpoint.prep_descs(addrs, sizes, MemKind(peer.space.mem), peer=agent,
+                                                               device_id=peer.space.device_id)
+            self.peers[rank] = peer
+            self._rank_of[agent] = rank
+
+    # ---- control (rules 3, 4) ----------------------------------------------------------------
+
+    def send(self, rank: int, frame: bytes) -> None:
+        """Called: once per control frame (and per resend), engine thread. After error: delivery unknown."""
+        self.endpoint.send_notif(self.peers[rank].agent_name, frame)
+
+    def receive(self) -> list[tuple[int | None, bytes]]:
+        """Every frame that arrived, in arrival order. Also progresses incoming WRITEs (no progress thread)."""
+        return [(self._rank_of.get(agent), frame) for agent, frame in self.endpoint.drain_notifs()]
+
+    # ---- data (rule 2) -----------------------------------------------------------------------
+
+    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome:
+        """Post one WRITE for ``action``. Called: per PostWrite, engine thread. Never raises (rule 2)."""
+        peer = self.peers.get(action.receiver_rank)
+        if peer is None:
+            return NotPosted(f"rank {action.receiver_rank} is not a known peer")
+        try:
+            if action.kind is PieceKind.AUX:
+                if local_aux_slot < 0:
+                    return NotPosted("no aux payload")
+                n = self._aux_slot_nbytes
+                handle = self.endpoint.post_write(
+                    peer.agent_name, [(self._aux_addr + local_aux_slot * n, n)],
+                    [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM)
+            elif action.num_slices == 1:
+                local_idx = self.space.indices(action.src_blocks)
+                remote_idx = peer.space.indices(action.dst_blocks)
+                handle = self.endpoint.post_write_blocks(peer.agent_name, self._local_prep, local_idx,
+                                                         self._remote_prep[action.receiver_rank], remote_idx)
+            else:
+                local = self.space.slice_ranges(action.src_blocks, action.slice_index, action.num_slices)
+                remote = peer.space.slice_ranges(action.dst_blocks, action.slice_index, action.num_slices)
+                handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem,
+                                                  MemKind(peer.space.mem), device_id=self.space.device_id,
+                                                  remote_device_id=peer.space.device_id)
+        except AdapterError as exc:
+            if getattr(exc, "posted", False) is None:  # transfer() itself raised
+                return InDoubt(exc.handle, str(exc))  # type: ignore[attr-defined]
+            return NotPosted(str(exc))
+        except KvownError as exc:  # our own checks (block ids, sizes) refused it before NIXL saw it
+            return NotPosted(str(exc))
+        return Posted(handle, handle.nbytes)
+
+    def poll(self, handle: XferHandle) -> XferStatus:
+        return self.endpoint.poll(handle)
+
+    def release(self, handle: XferHandle) -> None:
+        self.endpoint.release(handle)
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+__all__ = ["InDoubt", "KVTransport", "NotPosted", "PeerInfo", "Posted", "Role", "Transport", "WriteOutcome",
+           "check_peer"]

@@ -1,0 +1,387 @@
+"""A rank's runtime: start-up inside an MPI world or across separately launched worlds, and the way out.
+
+Owns: the order of start-up steps, the per-job key, the collective start-up verdict, ``RankRuntime``
+(what one rank runs: driver, engine, watchdog, fail-stop executor, the embedding API) and the rank's
+exit paths.
+
+Rules:
+  1. Qualify the fail-stop route first (``qualify_world``): no transfer may start without a kill path.
+  2. The per-job key comes from rank 0 over MPI, or from ``KVOWN_JOB_KEY`` (hex) when worlds are
+     launched apart; a missing or short key is a ``ConfigError`` before anything is registered.
+  3. Start-up is collective and all-or-nothing: each step that can fail on one rank (building the
+     pool and the NIXL agent, binding the metrics port, checking every peer's version, capabilities,
+     geometry and block regions) ends in an ``allgather`` of every rank's verdict, and a failure
+     anywhere raises ``ConfigError`` on every rank naming the rank and the cause. No thread starts
+     before every rank has passed every check, so no rank is left waiting in a barrier.
+  4. No rank leaves its program while its peers may still need it. ``exit()`` (and, when the
+     program ends without it, an interpreter-exit hook) first meets every rank in an exit barrier on
+     a private communicator, bounded by the rank-crash grace; when all arrive the world finalizes
+     together, otherwise this rank fail-stops the world (RANK_CRASH). An uncaught exception in the
+     main thread fail-stops the world at once. A fail-stop that is pending when the program ends is
+     carried out by the exit hook on the main thread (the executor's worker is a daemon thread).
+
+Invariants:
+  INV-RK1  A rank's engine thread starts only after every rank's start-up verdict was "ok".
+  INV-RK2  A rank of a multi-rank MPI world never returns from interpreter shutdown into
+           ``MPI_Finalize`` unless every rank reached the exit barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, NoReturn
+
+import torch
+
+from kvown.adapters.mpi import QualifiedWorld
+from kvown.adapters.nixl import NixlEndpoint
+from kvown.adapters.rendezvous import job_key_from_env
+from kvown.adapters.transport import KVTransport, PeerInfo, Role
+from kvown.cache.layout import KVLayout
+from kvown.cache.pool import KVPool
+from kvown.core.actions import FailStop, FatalReason
+from kvown.core.errors import ConfigError, KvownError
+from kvown.core.messages import check_key
+from kvown.runtime.config import TransferConfig
+from kvown.runtime.crashguard import grace_from_env
+from kvown.runtime.driver import Driver
+from kvown.runtime.engine import Engine
+from kvown.runtime.failstop import FailStopExecutor
+from kvown.runtime.flight import FlightRecorder
+from kvown.runtime.watchdog import RetirementWatchdog
+
+EXIT_POLL_S = 0.001
+
+
+def _roles(roles: Any) -> frozenset[Role]:
+    try:
+        out = frozenset(Role(r) if not isinstance(r, Role) else r for r in roles)
+    except (TypeError, ValueError):
+        raise ConfigError("roles must be 'sender' and/or 'receiver'", field="roles", value=roles) from None
+    if not out:
+        raise ConfigError("a rank needs at least one role", field="roles", value=roles)
+    return out
+
+
+@dataclass
+class LocalRank:
+    """What one rank builds before it talks to anyone (rule 3's first step)."""
+
+    rank: int
+    layout: KVLayout
+    config: TransferConfig
+    roles: frozenset[Role]
+    pool: KVPool
+    aux: torch.Tensor
+    transport: KVTransport
+    stats_source: Any = None  # what the metrics server reads; the engine, once built
+    metrics_server: Any = None
+
+    @classmethod
+    def build(cls, rank: int, layout: KVLayout, config: TransferConfig, roles: frozenset[Role], device: str,
+              job: str) -> LocalRank:
+        pool = KVPool(layout, device=device)
+        aux = torch.zeros(config.aux_slots * config.aux_slot_nbytes, dtype=torch.uint8)
+        endpoint = NixlEndpoint(f"kvown-{job}-r{rank}", progress_thread=config.progress_thread)
+        transport = KVTransport(endpoint, rank, pool.space(), aux, aux_slot_nbytes=config.aux_slot_nbytes,
+                                roles=roles, geometry_digest=layout.geometry_digest())
+        return cls(rank, layout, config, roles, pool, aux, transport)
+
+    def bind_metrics(self) -> None:
+        """Bind the Prometheus port now (a busy port is a start-up failure, rule 3)."""
+        if self.config.metrics_port:
+            from kvown.runtime.metrics import serve
+
+            self.metrics_server = serve(self, self.config.metrics_port + self.rank)
+
+    def statistics(self) -> dict[str, Any]:
+        """What /metrics shows: the engine's statistics once it exists."""
+        if self.stats_source is None:
+            raise RuntimeError("kvown is still starting")
+        return self.stats_source.statistics()
+
+    def close(self) -> None:
+        """Undo ``build`` after a failed start-up (rule 3). Idempotent."""
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server = None
+        try:
+            self.transport.close()
+        except KvownError:
+            pass
+
+
+@dataclass
+class RankRuntime:
+    """Everything one rank runs. ``sender`` / ``receiver`` are the embedding API (``kvown.api``)."""
+
+    rank: int
+    driver: Driver
+    engine: Engine
+    watchdog: RetirementWatchdog
+    executor: FailStopExecutor
+    world: QualifiedWorld | None
+    exit_comm: Any = None  # a private duplicate of the world's communicator for the exit barrier
+    closed: bool = False
+    _api: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sender(self):  # noqa: ANN201
+        from kvown.api import Sender
+
+        return self._api.setdefault("sender", Sender(self.engine))
+
+    @property
+    def receiver(self):  # noqa: ANN201
+        from kvown.api import Receiver
+
+        return self._api.setdefault("receiver", Receiver(self.engine))
+
+    def inject_fault(self, plan: str) -> None:
+        """Tests: replace this rank's fault plan (needs ``TransferConfig(fault=...)``)."""
+        self.engine.inject_fault(plan)
+
+    def crash_guard(self, error_delivered: threading.Event | None = None):  # noqa: ANN201
+        """A ``CrashGuard`` for the embedding server's executor loop, wired to this rank's fail-stop.
+
+        Wrap the loop: ``guard.run(loop, cleanup)``; the loop calls ``guard.mark_completed()`` right
+        before its one terminating ``break``. Grace from ``KVOWN_RANK_CRASH_GRACE_S`` (default 10 s).
+        """
+        from kvown.runtime.crashguard import CrashGuard
+
+        size = self.world.size if self.world is not None else len(self.driver.transport.peers) + 1
+        guard: CrashGuard
+
+        def kill() -> None:
+            self.executor.request(FailStop(FatalReason.RANK_CRASH, None, f"executor loop crashed: {guard.error!r}"))
+
+        guard = CrashGuard(kill, world_size=size, error_delivered=error_delivered)
+        return guard
+
+    def hang_detector(self, timeout_s: float, *, c_backstop: bool = True):  # noqa: ANN201
+        """A started ``HangDetector``; call ``.heartbeat()`` every loop iteration."""
+        from kvown.runtime.hang import HangDetector
+
+        return HangDetector(timeout_s=timeout_s, executor=self.executor, recorder=self.driver.recorder,
+                            c_backstop=c_backstop).start()
+
+    def set_watermark(self, epoch: int) -> None:
+        """This rank will never admit a request id of an epoch below ``epoch`` again; fences below the
+        world-wide minimum are compacted. Called: by the router/server, any thread, non-decreasing."""
+        from kvown.runtime.commands import SetWatermark
+
+        self.engine.submit(SetWatermark(epoch))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine and watchdog and close the transport. Idempotent.
+
+        After error: the transport refuses to close while a write handle is live (its memory may still
+        be written); the runtime is then marked closed anyway and the memory stays registered.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.watchdog.stop()
+        self.engine.stop(timeout_s)
+        try:
+            self.driver.transport.close()
+        except KvownError:
+            pass
+
+    def exit(self, code: int = 0) -> NoReturn:
+        """End this rank's process in order (rule 4): exit barrier, close, finalize MPI, ``os._exit``.
+
+        Why ``os._exit``: at interpreter finalization NIXL/UCX and torch C++ destructors run beside
+        daemon threads CPython is tearing down, and now and then that aborts the process ("terminate
+        called without an active exception", exit 134) after all the work succeeded. Called: once,
+        main thread, last statement of a rank's program.
+        """
+        self._leave()
+        mpi = sys.modules.get("mpi4py.MPI")  # never import (and so initialise) MPI just to finalise it
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    # ---- exit paths (rule 4) --------------------------------------------------------------------
+
+    def _leave(self) -> None:
+        """Meet every rank at the exit barrier (bounded), then close; fail-stop the world if they don't come."""
+        if self.closed:
+            return
+        pending = self.executor.requested
+        if pending is not None:  # a kill is under way: make sure it happens, from this (main) thread
+            self.executor.request(pending)
+            return
+        if self.exit_comm is not None and not self._exit_barrier():
+            self.executor.request(FailStop(
+                FatalReason.RANK_CRASH, None,
+                f"rank {self.rank} is leaving its program, but not every rank reached the exit barrier within "
+                "the rank-crash grace: the world is taken down rather than left waiting"))
+            return
+        self.close()
+
+    def _exit_barrier(self) -> bool:
+        grace_s = grace_from_env()
+        request = self.exit_comm.Ibarrier()
+        deadline = time.monotonic() + (grace_s if grace_s is not None else 10.0)
+        while time.monotonic() < deadline:
+            if request.Test():
+                return True
+            time.sleep(EXIT_POLL_S)
+        return False
+
+    def _install_exit_hooks(self, *, excepthook: bool) -> None:
+        """Interpreter exit and (with a qualified world) uncaught main-thread exceptions go through rule 4."""
+        threading._register_atexit(self._leave)  # type: ignore[attr-defined]  # before non-daemon joins
+        if not excepthook:
+            return
+        previous = sys.excepthook
+
+        def crash_world(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            previous(kind, value, tb)
+            if not self.closed:
+                self.executor.request(FailStop(FatalReason.RANK_CRASH, None,
+                                               f"uncaught exception in rank {self.rank}'s main thread: {value!r}"))
+
+        sys.excepthook = crash_world
+
+
+def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: QualifiedWorld | None,
+           kill: Callable[..., None] | None = None) -> RankRuntime:
+    """Build the driver, engine and watchdogs (no thread started yet). Peers were checked already."""
+    config = local.config
+    recorder = FlightRecorder(local.rank, capacity=config.flight_capacity)
+    executor = FailStopExecutor(world, recorder, kill=kill)
+    transport: Any = local.transport
+    if config.fault is not None:  # tests and the demo's faults: a wrapper, never code in the loop
+        from kvown.testing.faults import FaultyTransport, parse_plan
+
+        transport = FaultyTransport(transport, local.rank, time.monotonic_ns, plan=parse_plan(config.fault, local.rank))
+    lock = threading.Lock()
+    driver = Driver(rank=local.rank, peers=tuple(sorted(peers)), roles=local.roles, transport=transport,
+                    pool=local.pool, aux=local.aux, key=key, config=config, recorder=recorder,
+                    on_fail_stop=executor.request, lock=lock)
+    engine = Engine(driver, fail_stop=executor.request)
+    watchdog = RetirementWatchdog(driver, lock, executor)
+    local.stats_source = engine
+    return RankRuntime(local.rank, driver, engine, watchdog, executor, world)
+
+
+def _launch(rt: RankRuntime) -> RankRuntime:
+    rt.watchdog.start()
+    rt.engine.start()
+    return rt
+
+
+def _verdict(comm: Any, rank: int, step: str, error: BaseException | None) -> None:
+    """Rule 3: every rank learns every rank's verdict for ``step``; any failure raises everywhere."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    failures = {r: text for r, text in enumerate(comm.allgather(mine)) if text is not None}
+    if failures:
+        first = min(failures)
+        raise ConfigError(f"start-up failed at '{step}' on rank {first}: {failures[first]}", field=step,
+                          ranks=sorted(failures), this_rank=rank) from error
+
+
+def connect_mpi(
+    comm: Any = None,
+    *,
+    layout: KVLayout,
+    config: TransferConfig | None = None,
+    roles: Any = frozenset({"sender", "receiver"}),
+    device: str = "cpu",
+    qualify: bool = True,
+) -> RankRuntime:
+    """Build and start this rank's runtime in an MPI world. Collective: every rank calls it.
+
+    Called: once per process, main thread, after ``from mpi4py import MPI``.
+    After error: ``ConfigError`` on every rank, naming the failing rank and step (rule 3); nothing
+    was started on any rank.
+    """
+    from mpi4py import MPI
+
+    from kvown.adapters.mpi import qualify_world
+
+    config = config or TransferConfig()
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    world = qualify_world(comm) if qualify else None
+    rank = comm.Get_rank()
+    key = comm.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
+    job = comm.bcast(secrets.token_hex(4) if rank == 0 else None, root=0)
+    local: LocalRank | None = None
+    error: BaseException | None = None
+    try:
+        local = LocalRank.build(rank, layout, config, _roles(roles), device, job)
+        local.bind_metrics()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank (rule 3)
+        error = exc
+    infos = comm.allgather(None if local is None else local.transport.info.to_wire())
+    peers = {}
+    try:
+        _verdict(comm, rank, "build", error)
+        assert local is not None
+        try:
+            peers = {r: PeerInfo.from_wire(w) for r, w in enumerate(infos) if r != rank}
+            local.transport.connect(peers)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        _verdict(comm, rank, "connect", error)
+    except ConfigError:
+        if local is not None:
+            local.close()
+        raise
+    rt = _start(local, peers, check_key(key), world)
+    rt.exit_comm = comm.Dup() if comm.Get_size() > 1 else None
+    rt._install_exit_hooks(excepthook=world is not None)
+    _launch(rt)
+    comm.Barrier()  # every rank has loaded every peer before anyone sends
+    return rt
+
+
+def connect_rendezvous(
+    address: tuple[str, int],
+    *,
+    rank: int,
+    world_ranks: tuple[int, ...],
+    layout: KVLayout,
+    config: TransferConfig | None = None,
+    roles: Any = frozenset({"sender", "receiver"}),
+    device: str = "cpu",
+    world: QualifiedWorld | None = None,
+    job: str = "rv",
+    timeout_s: float = 30.0,
+) -> RankRuntime:
+    """Join separately launched worlds through a rendezvous server (key from ``KVOWN_JOB_KEY``).
+
+    ``world`` is this process's own qualified MPI world (its fail-stop route), or None.
+    After error: ``ConfigError`` / ``PeerProtocolError`` naming the field; ``TimeoutError``-like
+    ``AdapterError`` when a peer never published.
+    """
+    import msgpack
+
+    from kvown.adapters import rendezvous
+
+    config = config or TransferConfig()
+    key = job_key_from_env()  # KVOWN_JOB_KEY, hex; a missing or short key is a ConfigError
+    local = LocalRank.build(rank, layout, config, _roles(roles), device, job)
+    local.bind_metrics()
+    rendezvous.publish(address, f"rank{rank}", msgpack.packb(local.transport.info.to_wire()), key)
+    peers = {}
+    for other in world_ranks:
+        if other != rank:
+            blob = rendezvous.lookup(address, f"rank{other}", key, timeout_s)
+            peers[other] = PeerInfo.from_wire(msgpack.unpackb(blob))
+    local.transport.connect(peers)
+    rt = _start(local, peers, key, world)
+    rt._install_exit_hooks(excepthook=world is not None)
+    return _launch(rt)
+
+
+__all__ = ["LocalRank", "RankRuntime", "connect_mpi", "connect_rendezvous"]

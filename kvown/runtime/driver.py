@@ -1,0 +1,647 @@
+"""The driver: all the work between one rank's protocol cores and its adapters, with no thread of its own.
+
+Owns: the rank's SenderCore and/or ReceiverCore; the ordered control streams and the frames whose
+send failed; the write handles in flight; the write-ready tokens and local copies not yet reported;
+the API handles waiting for outcomes; the aux slots; the canaries; the counters.
+
+Two homes, one code: the engine thread calls ``step(now_ns)`` in production
+(``kvown.runtime.engine``); the simulator calls the very same ``step`` over the fake NIXL library, a
+fault-injecting transport and the real ``KVPool`` (``kvown.testing.sim``).
+
+Rules:
+  1. ``step(now_ns)`` takes everything that arrived - commands, frames, write statuses, ready
+     tokens, due deadlines - turns each into one core event, and executes each batch of actions in
+     order before the next event. It never blocks, sleeps, reads a clock or starts a thread.
+  2. Each action is one call into one adapter (``transport.send``, ``transport.write``,
+     ``pool.retire``) or one handle update.
+  3. Ordered streams never keep a hole. A frame is stamped once; a send that raised may or may not
+     have been delivered, so the same sealed frame is resent on every step (later frames to that peer
+     queue behind it) until one send goes through - the receiver drops a duplicate by its sequence
+     number. If none goes through within ``control_retry_s`` the rank fail-stops at once
+     (CONTROL_LOST), naming the peer. A REQUEST_DATA is therefore always "published".
+  4. A write handle that reported ERROR, or whose post raised, is in doubt: it is never released and
+     is polled until DONE (late settlement) or the world dies.
+  5. Bad peer input (unknown agent, forged, malformed, replayed or misaddressed frames, impossible
+     messages) is dropped and counted; it changes no core state.
+  6. A FailStop - from a core, from the resend budget, from a broken canary, or an
+     ``InvariantViolation`` raised during a step - latches ``fatal``, is handed to ``on_fail_stop``
+     once, and from then on ``step`` does nothing: every block, handle and root stays held.
+  7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``
+     and ``statistics``. The cores are read and written only under ``lock``, which ``step`` holds
+     just while a core handles one event (never during I/O).
+
+Invariants:
+  INV-DR1  A PostWrite is executed only as the core emits it (so never before its ready token).
+  INV-DR2  Blocks return to the pool only on RetireBlocks, or on AdmissionRefused of a session that
+           never published anything.
+  INV-DR3  Every stamped control frame is delivered to the transport at least once, or the rank
+           fail-stops.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import traceback
+from collections.abc import Callable
+from typing import Any, ContextManager
+
+import torch
+
+from kvown.adapters import codec
+from kvown.adapters.nixl import XferStatus
+from kvown.adapters.transport import InDoubt, NotPosted, Posted, Role, Transport
+from kvown.cache.canary import Canaries
+from kvown.cache.pool import KVPool
+from kvown.core.actions import (
+    Action,
+    AdmissionRefused,
+    Conclude,
+    Deliver,
+    Disputed,
+    FailStop,
+    FatalReason,
+    Outcome,
+    PostWrite,
+    ReleaseSource,
+    RetireBlocks,
+    SendControl,
+)
+from kvown.core.errors import AdapterError, InvariantViolation, KvownError, LocalProtocolError, PeerProtocolError
+from kvown.core.events import (
+    CancelRequested,
+    Event,
+    LocalCompletionDone,
+    LocalCompletionPending,
+    MessageReceived,
+    OpenReceive,
+    OpenSend,
+    ReleaseRequested,
+    SourceReady,
+    Tick,
+    WatermarkSet,
+    WriteCompleted,
+    WriteFailed,
+    WriteNotSubmitted,
+    WriteSubmitFailed,
+    WriteSubmitted,
+)
+from kvown.core.machine import RankCore
+from kvown.core.messages import CancelSession, RequestData, Watermark
+from kvown.core.receiver import ReceiverCore
+from kvown.core.sender import SenderCore
+from kvown.core.streams import InboundStreams, OutboundStreams
+from kvown.runtime.commands import (
+    AdmissionError,
+    Call,
+    Cancel,
+    Command,
+    LocalCopy,
+    Receive,
+    ReceiveHandle,
+    Release,
+    Send,
+    SendHandle,
+    SetWatermark,
+)
+from kvown.runtime.config import TransferConfig
+from kvown.runtime.flight import FlightRecorder
+
+
+class _Outgoing:
+    """Stamped frames to one peer that still have to reach the transport (rule 3)."""
+
+    __slots__ = ("frames", "since_ns", "failures")
+
+    def __init__(self, since_ns: int) -> None:
+        self.frames: collections.deque[tuple[bytes, str]] = collections.deque()  # (frame, what)
+        self.since_ns = since_ns
+        self.failures = 0
+
+
+class _SendState:
+    __slots__ = ("handle", "tokens", "aux_slot")
+
+    def __init__(self, handle: SendHandle, tokens: list[Any], aux_slot: int) -> None:
+        self.handle = handle
+        self.tokens = tokens  # per piece: a ReadyToken, or None once reported ready
+        self.aux_slot = aux_slot
+
+
+class Driver:
+    """One rank's driver. See the module header for the rules; ``Engine`` runs it on a thread."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        peers: tuple[int, ...],
+        roles: frozenset[Role],
+        transport: Transport,
+        pool: KVPool,
+        aux: torch.Tensor,
+        key: bytes,
+        config: TransferConfig,
+        recorder: FlightRecorder,
+        on_fail_stop: Callable[[FailStop], None],
+        lock: ContextManager[Any] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.transport = transport
+        self.pool = pool
+        self.aux = aux  # uint8 tensor: aux_slots * aux_slot_nbytes
+        self.key = key
+        self.config = config
+        self.recorder = recorder
+        self.on_fail_stop = on_fail_stop
+        self.lock: ContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
+        core_config = config.core_config(rank, peers)
+        self.sender = SenderCore(core_config) if Role.SENDER in roles else None
+        self.receiver = ReceiverCore(core_config) if Role.RECEIVER in roles else None
+        self.inbox: collections.deque[Command] = collections.deque()  # append/popleft are atomic
+        self.out = OutboundStreams(rank)
+        self.inn = InboundStreams(rank)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.fatal: FailStop | None = None
+        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.layout.num_blocks) if config.canary else None
+        self._now_ns = 0
+        self._retry_ns = int(config.control_retry_s * 1e9)
+        self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
+        self._unsent: dict[int, _Outgoing] = {}
+        self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
+        self._in_doubt: set[int] = set()  # op ids whose post raised or whose handle reported ERROR
+        self._unreleased: list[Any] = []  # DONE handles whose release failed: retried each step
+        self._sends: dict[int, _SendState] = {}
+        self._recvs: dict[int, ReceiveHandle] = {}
+        self._local_copies: dict[int, tuple[int, Any]] = {}  # token id -> (request id, ready token)
+        self._next_local = 0
+        self._aux_free = list(range(config.aux_slots - 1, -1, -1))
+
+    # ---- any thread ---------------------------------------------------------------------------
+
+    def submit(self, command: Command) -> None:
+        """Queue a command. Called: by API facades, any thread (a deque append is atomic)."""
+        self.inbox.append(command)
+
+    def check_fatal(self, now_ns: int) -> FailStop | None:
+        """Pure: the fail-stop this rank latched or would latch at ``now_ns``. Lock held by the caller."""
+        if self.fatal is not None:
+            return self.fatal
+        for core in self._cores():
+            fatal = core.check_fatal(now_ns)
+            if fatal is not None:
+                return fatal
+        return None
+
+    def next_deadline_ns(self) -> int | None:
+        """Pure: the earliest deadline of either core (for the engine's nap and the watchdog)."""
+        deadlines = [d for d in (c.next_deadline_ns() for c in self._cores()) if d is not None]
+        return min(deadlines, default=None)
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot for dashboards and tests. Called: any thread (takes ``lock``)."""
+        with self.lock:
+            pool = self.pool.statistics()
+            out: dict[str, Any] = {
+                "rank": self.rank,
+                "pool": {"total": pool.total, "free": pool.free, "owned": pool.owned, "held": pool.held},
+                "writes_in_flight": len(self._writes),
+                "writes_in_doubt": len(self._in_doubt),
+                "control_unsent": sum(len(o.frames) for o in self._unsent.values()),
+                "fatal": None if self.fatal is None else self.fatal.detail,
+                "counters": {**self.stats, "duplicate_frames": self.inn.duplicates},
+            }
+            for name, core in (("sender", self.sender), ("receiver", self.receiver)):
+                if core is not None:
+                    out[name] = {
+                        "sessions": len(core.sessions),
+                        "sessions_by_state": core.sessions_by_state(),
+                        "fences": len(core.fence),
+                        "oldest_fail_stop_deadline_ns": core.nearest_fail_stop_ns(),
+                        "counters": dict(core.counters),
+                    }
+            if self.receiver is not None:
+                out["receiver"]["blocks_awaiting_proof"] = pool.held
+                out["receiver"]["quarantined"] = self.receiver.quarantined
+                out["receiver"]["acks_pending"] = {
+                    rid: [w.rank for w in s.writers.values() if not w.settled]
+                    for rid, s in list(self.receiver.sessions.items())
+                    if s.outcome is not None
+                }
+            return out
+
+    # ---- the step (engine thread) ---------------------------------------------------------------
+
+    def step(self, now_ns: int) -> bool:
+        """Do everything that is due at ``now_ns``; True if anything happened (rule 1).
+
+        Called: by the engine thread in a loop, or by the simulator. After error: an exception other
+        than ``InvariantViolation`` escapes (the engine turns it into an ENGINE_CRASH fail-stop).
+        """
+        if self.fatal is not None:
+            return False
+        self._now_ns = now_ns
+        try:
+            moved = self._take_commands()
+            moved |= self._take_frames()
+            moved |= self._poll_writes()
+            moved |= self._poll_tokens()
+            moved |= self._resend()
+            for core in self._cores():
+                deadline = core.next_deadline_ns()
+                if deadline is not None and now_ns >= deadline:
+                    self._events.append((core, Tick()))
+            moved |= bool(self._events)
+            self._pump()
+        except InvariantViolation as exc:  # rule 6
+            self._fail_stop(FailStop(FatalReason.INVARIANT, getattr(exc, "request_id", None),
+                                     f"{exc}\n{traceback.format_exc()}"))
+            return True
+        return moved
+
+    def _cores(self) -> list[RankCore]:
+        return [c for c in (self.sender, self.receiver) if c is not None]
+
+    def _pump(self) -> None:
+        """Feed queued events to their core, executing each batch of actions before the next event."""
+        while self._events and self.fatal is None:
+            core, event = self._events.popleft()
+            with self.lock:
+                try:
+                    actions = core.handle(event, self._now_ns)
+                except PeerProtocolError as exc:  # rule 5: dropped, counted, state unchanged
+                    self.stats["rejected_peer_input"] += 1
+                    self.recorder.record("peer_protocol_error", getattr(event, "request_id", None), error=str(exc))
+                    continue
+                except LocalProtocolError as exc:  # a race between API calls (cancel vs release, ...)
+                    self.stats["local_protocol_errors"] += 1
+                    self.recorder.record("local_protocol_error", getattr(event, "request_id", None), error=str(exc))
+                    continue
+            self._execute(core, actions)
+
+    # ---- commands ------------------------------------------------------------------------------
+
+    def _take_commands(self) -> bool:
+        moved = False
+        while self.inbox and self.fatal is None:
+            moved = True
+            self._command(self.inbox.popleft())
+            self._pump()  # each command's actions run before the next command is looked at
+        return moved
+
+    def _command(self, command: Command) -> None:
+        now = self._now_ns
+        match command:
+            case Send(request_id=rid):
+                if self.sender is None or rid in self._sends:
+                    command.handle.outcome.set_exception(
+                        LocalProtocolError("request already has a live send session here", field="request_id",
+                                           request_id=rid))
+                    command.handle.released.set()
+                    return
+                aux_slot = self._take_aux() if command.aux is not None else -1
+                if command.aux is not None and aux_slot < 0:
+                    self.stats["aux_exhausted"] += 1  # the AUX piece will be reported FAILED
+                elif aux_slot >= 0:
+                    self._aux_view(aux_slot)[: len(command.aux)] = torch.frombuffer(bytearray(command.aux),  # type: ignore[arg-type]
+                                                                                    dtype=torch.uint8)
+                command.handle.opened_ns = now
+                self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
+                self.recorder.record("open_send", rid, pieces=len(command.tokens))
+                self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
+                                                            command.num_receivers)))
+            case Receive(request_id=rid):
+                if not command.ticket.take():
+                    self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
+                    return
+                self._open_receive(command, now)
+            case Cancel(role=role, request_id=rid):
+                core = self.sender if role is Role.SENDER else self.receiver
+                handle = self._recvs.get(rid) if role is Role.RECEIVER else None
+                if handle is not None and not handle.cancelled_ns:
+                    handle.cancelled_ns = now
+                self.recorder.record("cancel", rid, role=role.value)
+                if core is not None:
+                    self._events.append((core, CancelRequested(rid)))
+            case Release(request_id=rid):
+                handle = self._recvs.get(rid)
+                if handle is not None:
+                    handle.released_ns = now
+                if self.receiver is not None:
+                    self._events.append((self.receiver, ReleaseRequested(rid)))
+            case LocalCopy(request_id=rid, token=token):
+                if self.receiver is not None:
+                    self._next_local += 1
+                    self._local_copies[self._next_local] = (rid, token)
+                    self._events.append((self.receiver, LocalCompletionPending(rid, self._next_local)))
+            case SetWatermark(epoch=epoch):
+                for core in self._cores():
+                    self._events.append((core, WatermarkSet(epoch)))
+            case Call(fn=fn, future=future):
+                try:
+                    future.set_result(fn(self))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+            case _:
+                raise LocalProtocolError("unknown command", field="command", command=type(command).__name__)
+
+    def _open_receive(self, command: Receive, now: int) -> None:
+        rid, ticket = command.request_id, command.ticket
+        if self.receiver is None or rid in self._recvs:
+            ticket.future.set_exception(LocalProtocolError("request already has a live receive session here",
+                                                           field="request_id", request_id=rid))
+            return
+        aux_slot = self._take_aux() if command.aux else -1
+        try:
+            if command.aux and aux_slot < 0:
+                from kvown.cache.pool import PoolExhausted
+
+                raise PoolExhausted("no free aux slot", requested=1, free=0, owner=rid)
+            blocks = self.pool.allocate(command.num_blocks, owner=rid)
+        except KvownError as exc:  # PoolExhausted: back-pressure, nothing changed
+            if aux_slot >= 0:
+                self._aux_free.append(aux_slot)
+            ticket.future.set_exception(exc)
+            return
+        if self.canaries is not None:
+            try:
+                self._verify_canaries(blocks, rid)
+            except InvariantViolation as exc:  # the caller hears of it; the step fail-stops (rule 6)
+                ticket.future.set_exception(AdmissionError("this rank is fail-stopping", request_id=rid,
+                                                           reason=str(exc)))
+                raise
+        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now)
+        self._recvs[rid] = handle
+        ticket.future.set_result(handle)
+        self.recorder.record("open_receive", rid, writers=list(command.writers))
+        self._events.append((self.receiver, OpenReceive(rid, blocks, command.writers, command.num_slices, aux_slot)))
+
+    # ---- frames --------------------------------------------------------------------------------
+
+    def _take_frames(self) -> bool:
+        try:
+            arrived = self.transport.receive()
+        except AdapterError as exc:  # notifications may be lost: a gap then ends at a deadline
+            self.stats["receive_errors"] += 1
+            self.recorder.record("receive_error", None, error=str(exc))
+            return True
+        for src, frame in arrived:
+            self._frame(src, frame)
+        return bool(arrived)
+
+    def _frame(self, src: int | None, frame: bytes) -> None:
+        try:
+            if src is None:
+                raise PeerProtocolError("notification from an unknown agent", field="agent")
+            envelope = codec.decode(frame, self.key)
+            if envelope.src_rank != src:
+                raise PeerProtocolError("frame claims another source rank", field="src_rank",
+                                        got=envelope.src_rank, transport=src)
+            delivered = self.inn.deliver(envelope)
+        except PeerProtocolError as exc:  # rule 5
+            self.stats["rejected_frames"] += 1
+            self.stats[f"rejected_{getattr(exc, 'field', 'frame')}"] += 1
+            self.recorder.record("frame_rejected", None, src=src, error=str(exc))
+            return
+        for env in delivered:
+            message = env.message
+            self.recorder.record("recv", getattr(message, "request_id", None), msg=message.KIND.name,
+                                 src=env.src_rank, seq=env.seq)
+            if isinstance(message, Watermark):
+                targets = self._cores()
+            else:
+                core = self.sender if isinstance(message, (RequestData, CancelSession)) else self.receiver
+                targets = [core] if core is not None else []
+            if not targets:
+                self.stats["rejected_frames"] += 1
+                self.recorder.record("frame_rejected", None, error=f"{message.KIND.name} for a rank without that role")
+            for core in targets:
+                self._events.append((core, MessageReceived(env)))
+
+    # ---- control sends (rule 3) -----------------------------------------------------------------
+
+    def _send(self, dst: int, message: Any) -> None:
+        envelope = self.out.stamp(dst, message)
+        frame = codec.encode(envelope, self.key)
+        what = f"{message.KIND.name} seq {envelope.seq}"
+        self.recorder.record("send", getattr(message, "request_id", None), msg=message.KIND.name, dst=dst,
+                             seq=envelope.seq)
+        pending = self._unsent.get(dst)
+        if pending is not None:  # earlier frames to dst are still waiting: keep the stream in order
+            pending.frames.append((frame, what))
+            return
+        try:
+            self.transport.send(dst, frame)
+            self.stats["control_sent"] += 1
+        except AdapterError as exc:  # delivered or not: nobody knows, so it will be sent again
+            pending = self._unsent[dst] = _Outgoing(self._now_ns)
+            pending.frames.append((frame, what))
+            self._note_send_failure(dst, pending, exc)
+
+    def _resend(self) -> bool:
+        moved = False
+        for dst, pending in list(self._unsent.items()):
+            while pending.frames:
+                frame, _ = pending.frames[0]
+                try:
+                    self.transport.send(dst, frame)
+                except AdapterError as exc:
+                    self._note_send_failure(dst, pending, exc)
+                    break
+                pending.frames.popleft()
+                self.stats["control_resent"] += 1
+                moved = True
+            if not pending.frames:
+                del self._unsent[dst]
+            elif self._now_ns - pending.since_ns >= self._retry_ns:
+                self._fail_stop(FailStop(
+                    FatalReason.CONTROL_LOST, None,
+                    f"control stream to rank {dst} is broken: {pending.frames[0][1]} could not be sent in "
+                    f"{self.config.control_retry_s} s ({pending.failures} attempts); its sessions cannot be proven",
+                ))
+                return True
+        return moved
+
+    def _note_send_failure(self, dst: int, pending: _Outgoing, exc: AdapterError) -> None:
+        pending.failures += 1
+        self.stats["control_send_failures"] += 1
+        if pending.failures == 1:
+            self.recorder.record("send_failed", None, dst=dst, what=pending.frames[0][1], error=str(exc))
+
+    # ---- writes and tokens -------------------------------------------------------------------------
+
+    def _poll_writes(self) -> bool:
+        moved = False
+        for handle in self._unreleased[:]:
+            try:
+                self.transport.release(handle)
+                self._unreleased.remove(handle)
+            except KvownError:
+                self.stats["release_failures"] += 1
+        for op_id, handle in list(self._writes.items()):
+            status = self.transport.poll(handle)
+            if status is XferStatus.IN_PROGRESS:
+                continue
+            if status is XferStatus.DONE:
+                moved = True
+                del self._writes[op_id]
+                self._in_doubt.discard(op_id)
+                try:
+                    self.transport.release(handle)
+                except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
+                    self.stats["release_failures"] += 1
+                    self._unreleased.append(handle)
+                self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
+            elif op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
+                moved = True
+                self._in_doubt.add(op_id)
+                self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+        return moved
+
+    def _poll_tokens(self) -> bool:
+        moved = False
+        for token_id, (request_id, token) in list(self._local_copies.items()):
+            if token.query():  # the event recorded after the local copy completed: evidence
+                del self._local_copies[token_id]
+                moved = True
+                self._events.append((self.receiver, LocalCompletionDone(request_id, token_id)))  # type: ignore[arg-type]
+        for request_id, state in list(self._sends.items()):
+            for piece, token in enumerate(state.tokens):
+                if token is not None and token.query():
+                    state.tokens[piece] = None
+                    moved = True
+                    self._events.append((self.sender, SourceReady(request_id, piece)))  # type: ignore[arg-type]
+        return moved
+
+    # ---- actions -------------------------------------------------------------------------------
+
+    def _execute(self, core: RankCore, actions: list[Action]) -> None:
+        for action in actions:
+            if self.fatal is not None:
+                return
+            match action:
+                case SendControl(dst_rank=dst, message=message):
+                    self._send(dst, message)
+                case PostWrite():
+                    self._post(action)
+                case Deliver(request_id=rid):
+                    handle = self._recvs.get(rid)
+                    if handle is not None:
+                        handle.landed_ns = self._now_ns
+                        handle.landed.set()
+                case Conclude():
+                    self._conclude(core, action)
+                case RetireBlocks(request_id=rid):
+                    self._retire(rid)
+                case ReleaseSource(request_id=rid):
+                    state = self._sends.pop(rid, None)
+                    if state is not None:
+                        if state.aux_slot >= 0:
+                            self._aux_free.append(state.aux_slot)
+                        state.handle.released_ns = self._now_ns
+                        state.handle.released.set()
+                case AdmissionRefused():
+                    self.stats["admission_refused"] += 1
+                    self._refuse(core, action)
+                case Disputed(request_id=rid, reason=reason):
+                    self.stats["disputes"] += 1
+                    self.recorder.record("disputed", rid, reason=reason)
+                case FailStop():
+                    self._fail_stop(action)
+                case _:
+                    raise LocalProtocolError("unknown action", field="action", action=type(action).__name__)
+
+    def _post(self, action: PostWrite) -> None:
+        """One PostWrite, one transport call, exactly one submit event back (rule 2)."""
+        state = self._sends.get(action.request_id)
+        outcome = self.transport.write(action, state.aux_slot if state is not None else -1)
+        match outcome:
+            case Posted(handle=handle, nbytes=nbytes):
+                self._writes[action.op_id] = handle
+                self.stats["bytes_written"] += nbytes
+                self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
+            case NotPosted(reason=reason):
+                self._events.append((self.sender, WriteNotSubmitted(action.op_id, reason)))  # type: ignore[arg-type]
+            case InDoubt(handle=handle, reason=reason):
+                self._writes[action.op_id] = handle  # rooted and polled until DONE (rule 4)
+                self._in_doubt.add(action.op_id)
+                self._events.append((self.sender, WriteSubmitFailed(action.op_id, reason)))  # type: ignore[arg-type]
+
+    def _conclude(self, core: RankCore, action: Conclude) -> None:
+        rid = action.request_id
+        self.recorder.record("conclude", rid, outcome=action.outcome.value, reason=action.reason)
+        if core is self.sender:
+            self.stats[f"send_{action.outcome.value}"] += 1
+            state = self._sends.get(rid)
+            handle: SendHandle | ReceiveHandle | None = state.handle if state is not None else None
+        else:
+            self.stats[f"recv_{action.outcome.value}"] += 1
+            handle = self._recvs.get(rid)
+            if handle is not None and action.outcome is not Outcome.COMPLETED:
+                self.pool.hold(handle.blocks)  # OWNED -> HELD: awaiting proof that writers quiesced
+        if handle is not None and not handle.outcome.done():
+            handle.outcome.set_result(action.outcome)
+
+    def _retire(self, rid: int) -> None:
+        handle = self._recvs.pop(rid, None)
+        if handle is None:
+            return
+        self.pool.retire(handle.blocks, owner=rid)
+        if self.canaries is not None:
+            self.canaries.fill(handle.blocks)
+        if handle.aux_slot >= 0:
+            self._aux_free.append(handle.aux_slot)
+        handle.retired_ns = self._now_ns
+        self.recorder.record("retire", rid, blocks=len(handle.blocks))
+        handle.retired.set()
+
+    def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
+        error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
+        if core is self.sender:
+            state = self._sends.pop(action.request_id, None)
+            if state is not None:
+                if state.aux_slot >= 0:
+                    self._aux_free.append(state.aux_slot)
+                state.handle.outcome.set_exception(error)
+                state.handle.released.set()
+            return
+        handle = self._recvs.pop(action.request_id, None)
+        if handle is not None:
+            self.pool.retire(handle.blocks, owner=action.request_id)  # nothing was ever published
+            if handle.aux_slot >= 0:
+                self._aux_free.append(handle.aux_slot)
+            handle.outcome.set_exception(error)
+            handle.retired.set()
+
+    def _verify_canaries(self, blocks: tuple[int, ...], rid: int) -> None:
+        broken = self.canaries.check(blocks)  # type: ignore[union-attr]
+        if broken:
+            self.stats["canary_broken"] += len(broken)
+            first = broken[0]
+            raise InvariantViolation(
+                f"a write landed after retirement: block {first.block} (epoch {first.epoch}) differs from its "
+                f"canary at byte {first.offset}", request_id=rid, blocks=[b.block for b in broken[:8]],
+            )
+
+    def _fail_stop(self, action: FailStop) -> None:
+        if self.fatal is not None:
+            return
+        self.fatal = action
+        self.recorder.record("fail_stop", action.request_id, reason=action.reason.value, detail=action.detail)
+        self.on_fail_stop(action)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _take_aux(self) -> int:
+        return self._aux_free.pop() if self._aux_free else -1
+
+    def _aux_view(self, slot: int) -> torch.Tensor:
+        n = self.config.aux_slot_nbytes
+        return self.aux[slot * n : (slot + 1) * n]
+
+    def read_aux(self, handle: ReceiveHandle) -> bytes:
+        """The aux payload of a landed request. Called: by the consumer after ``landed`` (any thread)."""
+        return bytes(self._aux_view(handle.aux_slot).numpy())
+
+
+__all__ = ["Driver"]

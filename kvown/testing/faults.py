@@ -1,0 +1,261 @@
+"""Fault injection at the transport seam: a wrapper around any ``Transport`` (real NIXL or the fake).
+
+Owns: ``FaultyTransport`` (the wrapper), ``FaultProfile`` (per-call probabilities, drawn from a
+seeded ``random.Random`` by the simulator) and ``parse_plan`` (deterministic "n-th call" faults from
+a text, for real worlds: ``KVOWN_FAULT`` / ``TransferConfig.fault``).
+
+The production loop has no fault code: a rank gets this wrapper only when ``TransferConfig.fault``
+is set (the bootstrap wraps the transport), and the simulator always wraps. Faults it can inject:
+
+  control frames   a send that raises before it sent (``send-raise``), after it sent
+                   (``send-raise-after``); a frame silently dropped (``drop-frame``), duplicated,
+                   delayed (which reorders), or delivered late (``slow-control``, order kept);
+                   a receive that raises
+  WRITEs           refused before posting; a post that raises although the WRITE is on the wire
+                   (in doubt); ERROR, then DONE later or never; a WRITE that finishes late
+                   (``slow-writer``) or never reports (``stuck-writer``); a release that fails
+
+Plan text: comma-separated ``name[:rank=R][:nth=N][:ms=M]``. ``nth=N`` fires on the N-th matching
+call (``nth=0``: every call); ``rank`` restricts it to one rank; ``ms`` is a delay. Names:
+``stuck-writer``, ``slow-writer`` (default 300 ms), ``slow-control`` (default 20 ms),
+``send-raise``, ``send-raise-after``, ``drop-frame``. Example: ``stuck-writer:rank=0:nth=3``.
+
+Rules:
+  1. Time comes from the injected ``clock`` (the simulator's, or ``time.monotonic_ns``); nothing
+     here sleeps or starts a thread. Held frames and late completions are released when the wrapper
+     is next called at or after their due time; ``next_due_ns`` says when that is.
+  2. A fault never lies about safety-relevant physics: a WRITE reported DONE really completed below
+     (the wrapper polls the inner transport before saying DONE), and a "post raised" WRITE is really
+     on the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvown.adapters.nixl import XferStatus
+from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome
+from kvown.core.actions import PostWrite
+from kvown.core.errors import AdapterError, ConfigError
+
+PLAN_NAMES = ("stuck-writer", "slow-writer", "slow-control", "send-raise", "send-raise-after", "drop-frame")
+_DEFAULT_MS = {"slow-writer": 300, "slow-control": 20}
+
+
+@dataclass(frozen=True)
+class FaultProfile:
+    """Per-call fault probabilities and latencies (integer ns of the injected clock)."""
+
+    p_send_raise: float = 0.0  # raise before sending (the frame did not leave)
+    p_send_raise_after: float = 0.0  # raise after sending (it did leave)
+    p_drop: float = 0.0  # silently lost
+    p_dup: float = 0.0  # delivered twice
+    p_corrupt: float = 0.0  # an extra copy with one bit flipped (the HMAC must refuse it)
+    frame_delay_ns: tuple[int, int] = (0, 0)  # uniform latency per frame: frames overtake each other
+    p_slow: float = 0.0  # a frame or a WRITE takes 10x its latency
+    write_ns: tuple[int, int] = (0, 0)  # uniform WRITE latency before DONE can be seen
+    p_not_posted: float = 0.0
+    p_post_raises: float = 0.0  # in doubt, though really posted
+    p_write_error: float = 0.0  # ERROR first ...
+    p_late_done: float = 0.6  # ... then DONE later (else never: in doubt for good)
+    p_stall: float = 0.0  # never reports
+    p_receive_raise: float = 0.0
+    p_release_raise: float = 0.0
+
+
+@dataclass
+class PlanEntry:
+    name: str
+    nth: int = 1
+    ms: int = 0
+    seen: int = 0
+
+    def fires(self) -> bool:
+        self.seen += 1
+        return self.nth in (0, self.seen)
+
+
+def parse_plan(text: str, rank: int) -> dict[str, PlanEntry]:
+    """The entries of ``text`` that apply to ``rank``. Raises ``ConfigError`` naming a bad entry."""
+    plan: dict[str, PlanEntry] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, *opts = item.split(":")
+        if name not in PLAN_NAMES:
+            raise ConfigError("unknown fault", field="fault", value=name, fix=f"use one of {PLAN_NAMES}")
+        try:
+            spec = {k: int(v) for k, v in (o.split("=", 1) for o in opts)}
+        except ValueError:
+            raise ConfigError("fault options are key=integer", field="fault", value=item) from None
+        if set(spec) - {"rank", "nth", "ms"}:
+            raise ConfigError("fault options are rank, nth and ms", field="fault", value=item)
+        if spec.get("rank", rank) == rank:
+            plan[name] = PlanEntry(name, spec.get("nth", 1), spec.get("ms", _DEFAULT_MS.get(name, 0)))
+    return plan
+
+
+@dataclass
+class _Write:
+    due_ns: int
+    stuck: bool = False
+    error_until_ns: int | None = None  # report ERROR until then ...
+    settles: bool = True  # ... then DONE (if the inner handle finishes), else ERROR for good
+    inner_error: bool = False  # the real transfer below reported ERROR: nothing here will change it
+
+
+@dataclass
+class FaultyTransport:
+    """A ``Transport`` that injects faults into ``inner``. Called: from the owning driver's thread."""
+
+    inner: Transport
+    rank: int
+    clock: Callable[[], int]
+    plan: dict[str, PlanEntry] = field(default_factory=dict)
+    profile: FaultProfile = field(default_factory=FaultProfile)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    _out: list[tuple[int, int, int, bytes]] = field(default_factory=list)  # heap of (due, order, dst, frame)
+    _in: collections.deque[tuple[int, int | None, bytes]] = field(default_factory=collections.deque)
+    _writes: dict[int, _Write] = field(default_factory=dict)  # id(handle) -> its injected fate
+    _order: int = 0
+    raised: dict[bytes, int] = field(default_factory=dict)  # frames whose send raised unsent -> when (oracles)
+
+    def set_plan(self, text: str) -> None:
+        """Replace the deterministic plan. Called: by tests through ``Engine.call`` (engine thread)."""
+        self.plan = parse_plan(text, self.rank)
+
+    def next_due_ns(self) -> int | None:
+        """When something held here next changes (rule 1), or None. A time in the past means "poll now"."""
+        now = self.clock()
+        dues = [self._out[0][0]] if self._out else []
+        if self._in:
+            dues.append(self._in[0][0])
+        for w in self._writes.values():
+            if w.stuck or w.inner_error:
+                continue  # never reports, or only the library below can change it
+            if w.error_until_ns is None or now < w.due_ns:
+                dues.append(w.due_ns)
+            elif w.settles:
+                dues.append(w.error_until_ns)  # ERROR until then, DONE after
+        return min(dues, default=None)
+
+    # ---- control --------------------------------------------------------------------------------
+
+    def _fires(self, name: str, p: float) -> bool:
+        entry = self.plan.get(name)
+        hit = (entry is not None and entry.fires()) or (p > 0 and self.rng.random() < p)
+        if hit:
+            self.counts[name] += 1
+        return hit
+
+    def _latency(self, bounds: tuple[int, int]) -> int:
+        lo, hi = bounds
+        if hi <= 0:
+            return 0
+        d = self.rng.randint(lo, hi)
+        return d * 10 if self.profile.p_slow and self.rng.random() < self.profile.p_slow else d
+
+    def send(self, rank: int, frame: bytes) -> None:
+        self._flush_out()
+        p = self.profile
+        if self._fires("send-raise", p.p_send_raise):
+            self.raised.setdefault(frame, self.clock())
+            raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
+        self.raised.pop(frame, None)
+        if self._fires("drop-frame", p.p_drop):
+            return
+        copies = [frame, frame] if self._fires("dup", p.p_dup) else [frame]
+        if self._fires("corrupt", p.p_corrupt):
+            i = self.rng.randrange(len(frame))
+            copies.append(frame[:i] + bytes([frame[i] ^ (1 << self.rng.randrange(8))]) + frame[i + 1 :])
+        for frame in copies:
+            delay = self._latency(p.frame_delay_ns)
+            if delay:
+                self._order += 1
+                heapq.heappush(self._out, (self.clock() + delay, self._order, rank, frame))
+            else:
+                self.inner.send(rank, frame)
+        if self._fires("send-raise-after", p.p_send_raise_after):
+            raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
+
+    def _flush_out(self) -> None:
+        now = self.clock()
+        while self._out and self._out[0][0] <= now:
+            _, _, rank, frame = heapq.heappop(self._out)
+            self.inner.send(rank, frame)
+
+    def receive(self) -> list[tuple[int | None, bytes]]:
+        self._flush_out()
+        if self._fires("receive-raise", self.profile.p_receive_raise):
+            raise AdapterError("injected: get_new_notifs raised", op="get_new_notifs")
+        arrived = self.inner.receive()
+        slow = self.plan.get("slow-control")
+        if slow is None and not self._in:
+            return arrived
+        now = self.clock()
+        delay_ns = slow.ms * 1_000_000 if slow is not None else 0
+        self._in.extend((now + delay_ns, src, frame) for src, frame in arrived)
+        out = []
+        while self._in and self._in[0][0] <= now:  # the order of arrival is kept
+            _, src, frame = self._in.popleft()
+            out.append((src, frame))
+        return out
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome:
+        self._flush_out()
+        p, now = self.profile, self.clock()
+        if self._fires("not-posted", p.p_not_posted):
+            return NotPosted("injected: refused before posting")
+        outcome = self.inner.write(action, local_aux_slot)
+        if isinstance(outcome, NotPosted):
+            return outcome
+        fate = _Write(now + self._latency(p.write_ns))
+        slow = self.plan.get("slow-writer")
+        if slow is not None and slow.fires():
+            self.counts["slow-writer"] += 1
+            fate.due_ns = now + slow.ms * 1_000_000
+        if self._fires("stuck-writer", p.p_stall):
+            fate.stuck = True
+        elif self._fires("write-error", p.p_write_error):
+            fate.error_until_ns = fate.due_ns + self._latency(p.write_ns) * 4
+            fate.settles = self.rng.random() < p.p_late_done
+        self._writes[id(outcome.handle)] = fate
+        if isinstance(outcome, Posted) and self._fires("post-raises", p.p_post_raises):
+            return InDoubt(outcome.handle, "injected: transfer() raised after posting")
+        return outcome
+
+    def poll(self, handle: Any) -> XferStatus:
+        fate = self._writes.get(id(handle))
+        if fate is None:
+            return self.inner.poll(handle)
+        now = self.clock()
+        if fate.stuck or now < fate.due_ns:
+            return XferStatus.IN_PROGRESS
+        if fate.error_until_ns is not None and (now < fate.error_until_ns or not fate.settles):
+            return XferStatus.ERROR
+        status = self.inner.poll(handle)  # rule 2: DONE only when it is really done below
+        if status is XferStatus.DONE:
+            del self._writes[id(handle)]
+        elif status is XferStatus.ERROR:
+            fate.inner_error = True
+        return status
+
+    def release(self, handle: Any) -> None:
+        if self._fires("release-raise", self.profile.p_release_raise):
+            raise AdapterError("injected: release_xfer_handle raised", op="release_xfer_handle")
+        self.inner.release(handle)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    def __getattr__(self, name: str) -> Any:  # peers, info, endpoint, ...: the inner transport's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,177 @@
+"""The real driver over the fake NIXL library: each library behaviour that real NIXL shows (a send that
+raises after it delivered, ERROR then DONE, duplicated notifications, get_new_notifs raising, a
+release that fails) is exercised end to end through Sender/Receiver, driver, cores and transport.
+No threads and no real clock: the test steps both drivers with its own integer clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvown.adapters.transport import KVTransport, Role
+from kvown.api import Receiver, Sender
+from kvown.cache.layout import KVLayout
+from kvown.cache.pool import KVPool
+from kvown.core.actions import FatalReason, Outcome
+from kvown.core.ids import make_request_id
+from kvown.runtime.config import TransferConfig
+from kvown.runtime.driver import Driver
+from kvown.runtime.engine import Engine
+from kvown.runtime.flight import FlightRecorder
+from kvown.testing.clockguard import forbid_real_clock
+from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint, FakeOutcome, NotifFault, WriteFault
+
+import torch
+
+LAYOUT = KVLayout.standard(num_layers=1, num_blocks=16, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8")
+KEY = b"k" * 32
+TX, RX = 0, 1
+
+
+@pytest.fixture(autouse=True)
+def _no_real_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    forbid_real_clock(monkeypatch)
+
+
+class Pair:
+    """A sender rank and a receiver rank, each the production driver over one fabric."""
+
+    def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000) -> None:
+        self.now = 0
+        self.fabric = FakeFabric()
+        self.fatal: dict[int, object] = {}
+        self.drivers: dict[int, Driver] = {}
+        transports = {}
+        for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
+            pool = KVPool(LAYOUT)
+            aux = torch.zeros(4 * 8, dtype=torch.uint8)
+            transports[rank] = KVTransport(FakeNixlEndpoint(f"r{rank}", fabric=self.fabric), rank, pool.space(), aux,
+                                           aux_slot_nbytes=8, roles=frozenset({role}),
+                                           geometry_digest=LAYOUT.geometry_digest())
+            config = TransferConfig(transfer_timeout_s=timeout_ns * 1e-9, grace_s=grace_ns * 1e-9,
+                                    control_retry_s=retry_ns * 1e-9, aux_slots=4, aux_slot_nbytes=8, fault=None,
+                                    metrics_port=0, canary=True)
+            self.drivers[rank] = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}),
+                                        transport=transports[rank], pool=pool, aux=aux, key=KEY, config=config,
+                                        recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
+                                        on_fail_stop=lambda a, r=rank: self.fatal.setdefault(r, a))
+        for rank, transport in transports.items():
+            transport.connect({1 - rank: transports[1 - rank].info})
+        clock = lambda: self.now  # noqa: E731
+        self.tx = Sender(Engine(self.drivers[TX], fail_stop=lambda a: None, clock=clock))
+        self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=clock))
+
+    def run(self, until=lambda: False, steps: int = 200, dt: int = 10) -> None:
+        """Step both drivers, advancing the clock, until ``until()`` or ``steps`` rounds (bounded)."""
+        for _ in range(steps):
+            for driver in self.drivers.values():
+                driver.step(self.now)
+            if until():
+                return
+            self.now += dt
+
+    def transfer(self, seq: int, nblocks: int = 2):
+        rid = make_request_id(1, seq)
+        ticket = self.rx.submit_receive(rid, nblocks, (TX,))
+        self.run(ticket.future.done, steps=5)
+        handle = ticket.future.result(0)
+        send = self.tx.send(rid, tuple(range(nblocks)))
+        self.run(handle.landed.is_set)
+        return rid, handle, send
+
+
+@pytest.mark.timeout(30)
+def test_a_send_that_raises_after_delivering_is_resent_and_the_copy_dropped() -> None:
+    p = Pair()
+    p.fabric.inject_notif(NotifFault(src="r1", raise_after=True))  # REQUEST_DATA left, then send_notif raised
+    rid, handle, send = p.transfer(1)
+    assert handle.landed.is_set() and handle.outcome.result(0) is Outcome.COMPLETED
+    assert p.drivers[RX].stats["control_send_failures"] == 1 and p.drivers[RX].stats["control_resent"] == 1
+    assert p.drivers[TX].inn.duplicates == 1  # the resend was a duplicate, dropped by its sequence number
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    assert handle.retired.is_set() and send.released.is_set()
+
+
+@pytest.mark.timeout(30)
+def test_a_send_that_raises_before_sending_is_resent_with_no_hole() -> None:
+    p = Pair()
+    p.fabric.inject_notif(NotifFault(src="r1", raise_before=True, count=3))
+    rid, handle, _ = p.transfer(2)
+    assert handle.outcome.result(0) is Outcome.COMPLETED and p.drivers[RX].stats["control_resent"] == 1
+    assert p.drivers[TX].inn.duplicates == 0 and not p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_that_cannot_be_repaired_fail_stops_at_once_naming_the_peer() -> None:
+    p = Pair(retry_ns=100)
+    p.fabric.inject_notif(NotifFault(src="r1", raise_before=True, count=10_000))
+    rid = make_request_id(1, 3)
+    p.rx.submit_receive(rid, 1, (TX,))
+    p.run(lambda: RX in p.fatal, steps=50)
+    fatal = p.fatal[RX]
+    assert fatal.reason is FatalReason.CONTROL_LOST and "rank 0" in fatal.detail and "REQUEST_DATA" in fatal.detail
+    assert p.now < 10_000  # long before the request deadline: never a quiet stall until then
+
+
+@pytest.mark.timeout(30)
+def test_error_then_done_is_in_doubt_then_settled_late() -> None:
+    p = Pair()
+    p.fabric.inject_write(WriteFault(src="r0", outcome=FakeOutcome.ERR_THEN_DONE, err_polls=3))
+    rid = make_request_id(1, 4)
+    ticket = p.rx.submit_receive(rid, 2, (TX,))
+    p.run(ticket.future.done, steps=5)
+    handle = ticket.future.result(0)
+    send = p.tx.send(rid, (0, 1))
+    p.run(handle.retired.is_set)
+    assert handle.outcome.result(0) is Outcome.FAILED and handle.retired.is_set()
+    assert p.drivers[RX].receiver.quarantined  # the receiver no longer trusts that backend
+    assert p.drivers[TX].sender.poisoned and send.released.is_set()
+    kinds = [e[1] for e in p.drivers[RX].recorder.events()]
+    assert kinds.count("retire") == 1
+
+
+@pytest.mark.timeout(30)
+def test_duplicated_notifications_are_dropped_once_each() -> None:
+    p = Pair()
+    p.fabric.inject_notif(NotifFault(dup=True, count=100))
+    rid, handle, _ = p.transfer(5)
+    assert handle.outcome.result(0) is Outcome.COMPLETED
+    assert p.drivers[TX].inn.duplicates >= 1 and p.drivers[RX].inn.duplicates >= 1
+
+
+@pytest.mark.timeout(30)
+def test_get_new_notifs_raising_is_counted_and_survived() -> None:
+    p = Pair()
+    p.fabric.fail_get_notifs = 3
+    rid, handle, _ = p.transfer(6)
+    assert handle.outcome.result(0) is Outcome.COMPLETED
+    assert p.drivers[TX].stats["receive_errors"] + p.drivers[RX].stats["receive_errors"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_a_release_that_fails_is_retried_and_the_endpoint_closes_clean() -> None:
+    p = Pair()
+    p.fabric.fail_release = 2
+    rid, handle, send = p.transfer(7)
+    p.rx.release(rid)
+    p.run(lambda: handle.retired.is_set() and not p.drivers[TX]._unreleased)
+    assert p.drivers[TX].stats["release_failures"] == 2 and not p.drivers[TX]._unreleased
+    assert p.drivers[TX].transport.endpoint.live_handles == 0
+    p.drivers[TX].transport.close()  # nothing live: close is allowed
+
+
+@pytest.mark.timeout(30)
+def test_next_deadline_and_check_fatal_are_pure() -> None:
+    """Defect 3: next_deadline_ns popped stale heap entries, so a second thread calling it raced the
+    engine. Readers must change nothing; a mutant that pops is caught here."""
+    p = Pair(timeout_ns=1_000)
+    rid, handle, _ = p.transfer(8)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)  # the session is gone; its deadlines are stale heap entries
+    core = p.drivers[RX].receiver
+    before = (list(core._deadlines), set(core._queued), dict(core.sessions))
+    for _ in range(3):
+        core.next_deadline_ns()
+        core.check_fatal(p.now + 10**9)
+        p.drivers[RX].check_fatal(p.now)
+    assert (list(core._deadlines), set(core._queued), dict(core.sessions)) == before
