@@ -49,14 +49,22 @@ if sys.byteorder != "little":  # pragma: no cover - every platform kvown runs on
     raise ImportError("kernels.blocks assumes a little-endian host (uint8 <-> int32 views)")
 
 
+def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """kv_mix32 in place on an int64 tensor of values in [0, 2**32); ``scratch`` has x's shape.
+
+    In place because fresh multi-MiB temporaries cost page faults on every chunk.
+    """
+    torch.bitwise_right_shift(x, 16, out=scratch)
+    x.bitwise_xor_(scratch).mul_(0x21F0AAAD).bitwise_and_(M32)
+    torch.bitwise_right_shift(x, 15, out=scratch)
+    x.bitwise_xor_(scratch).mul_(0x735A2D97).bitwise_and_(M32)
+    torch.bitwise_right_shift(x, 15, out=scratch)
+    return x.bitwise_xor_(scratch)
+
+
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """kv_mix32 on int64 tensors holding values in [0, 2**32); returns a new tensor."""
-    x = x ^ (x >> 16)
-    x.mul_(0x21F0AAAD).bitwise_and_(M32)
-    x ^= x >> 15
-    x.mul_(0x735A2D97).bitwise_and_(M32)
-    x ^= x >> 15
-    return x
+    return _mix32_(x.clone(), torch.empty_like(x))
 
 
 def _rotl16(t: torch.Tensor) -> torch.Tensor:
@@ -86,9 +94,12 @@ def _words(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def _word_bytes(words: torch.Tensor) -> torch.Tensor:
-    """int64 (N, W) words in [0, 2**32) -> uint8 (N, 4W) little-endian bytes."""
-    signed = words - (words >= (1 << 31)).to(torch.int64) * (1 << 32)
-    return signed.to(torch.int32).view(torch.uint8)
+    """int64 (N, W) words in [0, 2**32) -> uint8 (N, 4W) little-endian bytes.
+
+    int64 -> int32 keeps the low 32 bits (two's complement wrap, as C++20 defines the cast and every
+    compiler torch is built with does); tests compare the bytes with the host build of kv_math.cuh.
+    """
+    return words.to(torch.int32).view(torch.uint8)
 
 
 def _check_blocks(blocks: torch.Tensor, field: str = "blocks") -> None:
@@ -147,8 +158,11 @@ def checksums(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor | No
         words = _words(chunk)
         index = torch.arange(start // 4, start // 4 + words.shape[1], dtype=torch.int64, device=blocks.device)
         t = (index * WORD_STEP) & M32
-        lane_a = (lane_a + mix32(words ^ t).sum(dim=1)) & M32
-        lane_b = (lane_b + mix32((words + _rotl16(t)) & M32).sum(dim=1)) & M32
+        scratch = torch.empty_like(words)
+        term = torch.bitwise_xor(words, t)
+        lane_a = (lane_a + _mix32_(term, scratch).sum(dim=1)) & M32
+        torch.add(words, _rotl16(t), out=term).bitwise_and_(M32)
+        lane_b = (lane_b + _mix32_(term, scratch).sum(dim=1)) & M32
     length_lo = torch.tensor((nbytes & M32) + 0x68E31DA4, dtype=torch.int64, device=blocks.device) & M32
     lo = mix32(lane_a ^ mix32(length_lo))
     hi = mix32(lane_b ^ mix32(lo ^ (nbytes >> 32)))
@@ -169,7 +183,10 @@ def checksum(tensor: torch.Tensor) -> int:
 
 def pattern_words(seed_a: torch.Tensor | int, seed_b: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
     """kv_pattern_word for word indices ``index`` (int64), seeds broadcast against it."""
-    return mix32((mix32(index ^ seed_a) + seed_b) & M32)
+    words = torch.bitwise_xor(index, seed_a)
+    scratch = torch.empty_like(words)
+    _mix32_(words, scratch).add_(seed_b).bitwise_and_(M32)
+    return _mix32_(words, scratch)
 
 
 def pattern_seeds(request_id: int | str, writer: int, block: int) -> tuple[int, int]:
