@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -88,16 +89,19 @@ def run(device: torch.device, mib: int, seed: int, iters: int) -> dict[str, obje
     results: dict[str, object] = {}
     for backend in backends:
         q = ops.quantize(x, gs, check_finite=False, backend=backend)
-        timings = {
-            "quantize": (timer(lambda: ops.quantize(x, gs, check_finite=False, backend=backend), warmup, iters),
-                         q_bytes),
-            "dequantize": (timer(lambda: ops.dequantize(q, backend=backend), warmup, iters), dq_bytes),
-            "checksum": (timer(lambda: ops.checksums(pool, backend=backend), warmup, iters), ck_bytes),
+        calls: dict[str, tuple[Callable[[], object], int]] = {
+            "quantize": (partial(ops.quantize, x, gs, check_finite=False, backend=backend), q_bytes),
+            "dequantize": (partial(ops.dequantize, q, backend=backend), dq_bytes),
+            "checksum": (partial(ops.checksums, pool, backend=backend), ck_bytes),
         }
+        timings = {name: (timer(call, warmup, iters), nbytes) for name, (call, nbytes) in calls.items()}
         for name, (seconds, nbytes) in timings.items():
             bps = nbytes / seconds
             results[f"{name}/{'kernel' if backend == 'cuda' else 'torch reference'}"] = {
-                "seconds": seconds, "bytes_moved": nbytes, "gb_per_s": bps / 1e9, "ratio_to_copy": bps / copy_bps,
+                "seconds": seconds,
+                "bytes_moved": nbytes,
+                "gb_per_s": bps / 1e9,
+                "ratio_to_copy": bps / copy_bps,
             }
     if "cuda" in backends:  # the kernels must agree with the reference on this very data
         q_kernel = ops.quantize(x, gs, backend="cuda")
@@ -114,8 +118,11 @@ def run(device: torch.device, mib: int, seed: int, iters: int) -> dict[str, obje
             "cpu_threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "cupy": " ".join(cupy) if cupy else None},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cupy": " ".join(cupy) if cupy else None,
+        },
         "seed": seed,
         "iters": iters,
         "mib": mib,
@@ -138,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or ((5 if args.quick else 20) if device.type == "cuda" else (3 if args.quick else 7))
     report = run(device, mib, args.seed, iters)
     copy = report["copy"]
-    print(f"device {report['machine']['device']}, {mib} MiB, median of {iters}; "  # type: ignore[index]
-          f"torch copy {copy['gb_per_s']:.2f} GB/s (read + write)")  # type: ignore[index]
+    print(
+        f"device {report['machine']['device']}, {mib} MiB, median of {iters}; "  # type: ignore[index]
+        f"torch copy {copy['gb_per_s']:.2f} GB/s (read + write)"
+    )  # type: ignore[index]
     missed = False
     for name, row in report["results"].items():  # type: ignore[attr-defined]
         if not isinstance(row, dict):

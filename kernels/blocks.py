@@ -105,22 +105,34 @@ def _word_bytes(words: torch.Tensor) -> torch.Tensor:
 def _check_blocks(blocks: torch.Tensor, field: str = "blocks") -> None:
     if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 2:
         raise KernelInputError(
-            "expected a 2-D uint8 tensor (num_blocks, block_nbytes)", field=field,
-            dtype=str(getattr(blocks, "dtype", type(blocks).__name__)), shape=tuple(getattr(blocks, "shape", ())),
+            "expected a 2-D uint8 tensor (num_blocks, block_nbytes)",
+            field=field,
+            dtype=str(getattr(blocks, "dtype", type(blocks).__name__)),
+            shape=tuple(getattr(blocks, "shape", ())),
         )
     if blocks.shape[1] and blocks.stride(1) != 1:
-        raise KernelInputError("each block (row) must be contiguous", field=field, stride=tuple(blocks.stride()))
+        raise KernelInputError(
+            "each block (row) must be contiguous", field=field, stride=tuple(blocks.stride())
+        )
     if blocks.shape[1] > MAX_BLOCK_NBYTES:
-        raise KernelInputError("blocks larger than 4 GiB are not supported", field=field, nbytes=blocks.shape[1])
+        raise KernelInputError(
+            "blocks larger than 4 GiB are not supported", field=field, nbytes=blocks.shape[1]
+        )
 
 
-def _check_ids(block_ids: Sequence[int] | torch.Tensor | None, num_rows: int, device: torch.device,
-               field: str = "block_ids") -> torch.Tensor:
+def _check_ids(
+    block_ids: Sequence[int] | torch.Tensor | None,
+    num_rows: int,
+    device: torch.device,
+    field: str = "block_ids",
+) -> torch.Tensor:
     if block_ids is None:
         return torch.arange(num_rows, dtype=torch.int64, device=device)
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
-            raise KernelInputError("block ids must be a 1-D int64 tensor", field=field, dtype=str(block_ids.dtype))
+            raise KernelInputError(
+                "block ids must be a 1-D int64 tensor", field=field, dtype=str(block_ids.dtype)
+            )
         ids = block_ids.to(device)
     else:
         values = list(block_ids)
@@ -154,7 +166,9 @@ def checksums(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor | No
     lane_b = torch.zeros_like(lane_a)
     step = max(16, (_CHUNK_BYTES // max(num, 1)) // 16 * 16)
     for start in range(0, nbytes, step):
-        chunk = blocks[ids, start : start + step] if block_ids is not None else blocks[:, start : start + step]
+        chunk = (
+            blocks[ids, start : start + step] if block_ids is not None else blocks[:, start : start + step]
+        )
         words = _words(chunk)
         index = torch.arange(start // 4, start // 4 + words.shape[1], dtype=torch.int64, device=blocks.device)
         t = (index * WORD_STEP) & M32
@@ -181,7 +195,9 @@ def checksum(tensor: torch.Tensor) -> int:
 # ---- patterns ----------------------------------------------------------------------------------
 
 
-def pattern_words(seed_a: torch.Tensor | int, seed_b: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
+def pattern_words(
+    seed_a: torch.Tensor | int, seed_b: torch.Tensor | int, index: torch.Tensor
+) -> torch.Tensor:
     """kv_pattern_word for word indices ``index`` (int64), seeds broadcast against it."""
     words = torch.bitwise_xor(index, seed_a)
     scratch = torch.empty_like(words)
@@ -204,8 +220,11 @@ def _pattern_chunk(start: int, count: int, seeds: tuple[int, int], device: torch
 
 def _check_pattern_target(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or not tensor.is_contiguous():
-        raise KernelInputError("pattern target must be a contiguous uint8 tensor", field="tensor",
-                               dtype=str(getattr(tensor, "dtype", type(tensor).__name__)))
+        raise KernelInputError(
+            "pattern target must be a contiguous uint8 tensor",
+            field="tensor",
+            dtype=str(getattr(tensor, "dtype", type(tensor).__name__)),
+        )
     if tensor.numel() > MAX_BLOCK_NBYTES:
         raise KernelInputError("pattern targets larger than 4 GiB are not supported", field="tensor")
     return tensor.view(-1)
@@ -253,7 +272,9 @@ def verify_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, blo
 # ---- canaries ------------------------------------------------------------------------------------
 
 
-def canary_seeds(pool_id: int, block_ids: torch.Tensor, epochs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def canary_seeds(
+    pool_id: int, block_ids: torch.Tensor, epochs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_canary_seeds, vectorised: int64 tensors (N,) of seed_a and seed_b."""
     h = mix32(torch.full_like(block_ids, (pool_id ^ 0x6B43A9B5) & M32))
     h = mix32(h ^ (block_ids & M32))
@@ -262,7 +283,9 @@ def canary_seeds(pool_id: int, block_ids: torch.Tensor, epochs: torch.Tensor) ->
     return h, mix32(h ^ 0x1B873593)
 
 
-def _check_epochs(epoch: int | Sequence[int] | torch.Tensor, count: int, device: torch.device) -> torch.Tensor:
+def _check_epochs(
+    epoch: int | Sequence[int] | torch.Tensor, count: int, device: torch.device
+) -> torch.Tensor:
     if isinstance(epoch, torch.Tensor):
         epochs = epoch.to(device=device)
         if epochs.dtype != torch.int64 or epochs.shape != (count,):
@@ -279,8 +302,12 @@ def _check_epochs(epoch: int | Sequence[int] | torch.Tensor, count: int, device:
     return epochs
 
 
-def _canary_args(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, pool_id: int,
-                 epoch: int | Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _canary_args(
+    blocks: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    pool_id: int,
+    epoch: int | Sequence[int] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_blocks(blocks)
     _check_uint(pool_id, 32, "pool_id")
     ids = _check_ids(block_ids, blocks.shape[0], blocks.device)
@@ -299,8 +326,12 @@ def _row_step(num: int) -> int:
     return max(16, (_CHUNK_BYTES // max(num, 1)) // 16 * 16)
 
 
-def fill_canary(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, pool_id: int,
-                epoch: int | Sequence[int] | torch.Tensor) -> None:
+def fill_canary(
+    blocks: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    pool_id: int,
+    epoch: int | Sequence[int] | torch.Tensor,
+) -> None:
     """Fill rows ``block_ids`` of ``blocks`` with the canary of (pool_id, block id, epoch).
 
     ``epoch`` is one retirement epoch for all blocks, or one per block.
@@ -314,8 +345,12 @@ def fill_canary(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, p
         blocks[ids, start : start + count] = _canary_rows(seed_a, seed_b, start, count)
 
 
-def verify_canary(blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, pool_id: int,
-                  epoch: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
+def verify_canary(
+    blocks: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    pool_id: int,
+    epoch: int | Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
     """First byte offset in each block that is not its canary, or -1 (int64 tensor, one per id).
 
     Called: before a retired block is handed out again; a value >= 0 means a late write landed.

@@ -30,7 +30,13 @@ CUDA_DIR = pathlib.Path(__file__).resolve().parent / "cuda"
 HEADER = CUDA_DIR / "kv_math.cuh"
 KERNELS = CUDA_DIR / "kv_kernels.cu"
 
-NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++14", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+NVRTC_OPTIONS: tuple[str, ...] = (
+    "--std=c++14",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+)
 KERNEL_NAMES: tuple[str, ...] = (
     "kv_nvfp4_quantize",
     "kv_nvfp4_dequantize",

@@ -60,7 +60,15 @@ E4M3_MAX = 448.0
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # (threshold, inclusive): the E2M1 index is how many of these the magnitude passes; inclusive
 # thresholds are the ties that round up to an even code.
-_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -103,21 +111,33 @@ def default_global_scale(amax: float) -> float:
 
 def check_input(x: object, field: str = "x") -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
-        raise KernelInputError("expected a float32, bfloat16 or float16 tensor", field=field,
-                               dtype=str(getattr(x, "dtype", type(x).__name__)))
+        raise KernelInputError(
+            "expected a float32, bfloat16 or float16 tensor",
+            field=field,
+            dtype=str(getattr(x, "dtype", type(x).__name__)),
+        )
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % GROUP_SIZE:
-        raise KernelInputError("rows (the last dimension) must be a positive multiple of 16", field=field,
-                               shape=tuple(x.shape))
+        raise KernelInputError(
+            "rows (the last dimension) must be a positive multiple of 16", field=field, shape=tuple(x.shape)
+        )
 
 
 def check_rope_dim(rope_dim: object, n: int) -> int:
-    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 <= rope_dim < n or rope_dim % GROUP_SIZE:
-        raise KernelInputError("rope_dim must be a multiple of 16 in [0, n)", field="rope_dim", value=rope_dim, n=n)
+    if (
+        isinstance(rope_dim, bool)
+        or not isinstance(rope_dim, int)
+        or not 0 <= rope_dim < n
+        or rope_dim % GROUP_SIZE
+    ):
+        raise KernelInputError(
+            "rope_dim must be a multiple of 16 in [0, n)", field="rope_dim", value=rope_dim, n=n
+        )
     return rope_dim
 
 
-def resolve_scales(x: torch.Tensor, global_scale: float | None, rope_dim: int,
-                   rope_global_scale: float | None) -> tuple[float, float | None]:
+def resolve_scales(
+    x: torch.Tensor, global_scale: float | None, rope_dim: int, rope_global_scale: float | None
+) -> tuple[float, float | None]:
     """The float32 global scales of a quantisation: given ones checked, missing ones from amax.
 
     A missing scale needs amax over x (or its rope columns): one pass and, on CUDA, one sync.
@@ -136,8 +156,9 @@ def resolve_scales(x: torch.Tensor, global_scale: float | None, rope_dim: int,
     return gs, check_global_scale(rope_global_scale, "rope_global_scale")
 
 
-def _group_scales(num_groups: int, rope_dim: int, gs: float, rope_gs: float | None,
-                  device: torch.device) -> torch.Tensor:
+def _group_scales(
+    num_groups: int, rope_dim: int, gs: float, rope_gs: float | None, device: torch.device
+) -> torch.Tensor:
     scales = torch.full((num_groups,), gs, dtype=torch.float32, device=device)
     if rope_dim:
         scales[num_groups - rope_dim // GROUP_SIZE :] = rope_gs
@@ -169,8 +190,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def quantize(x: torch.Tensor, global_scale: float | None = None, *, rope_dim: int = 0,
-             rope_global_scale: float | None = None) -> NVFP4Tensor:
+def quantize(
+    x: torch.Tensor,
+    global_scale: float | None = None,
+    *,
+    rope_dim: int = 0,
+    rope_global_scale: float | None = None,
+) -> NVFP4Tensor:
     """NVFP4-quantise ``x`` (float32 / bfloat16 / float16) along its last dimension (a multiple of 16).
 
     ``global_scale`` defaults to ``amax(|x|) / (6 * 448)``; with ``rope_dim`` the last ``rope_dim``
@@ -205,11 +231,17 @@ def check_nvfp4(q: object) -> NVFP4Tensor:
     for name in ("values", "scales"):
         part = getattr(q, name)
         if not isinstance(part, torch.Tensor) or part.dtype != torch.uint8 or part.dim() == 0:
-            raise KernelInputError("expected a uint8 tensor", field=name, dtype=str(getattr(part, "dtype", None)))
+            raise KernelInputError(
+                "expected a uint8 tensor", field=name, dtype=str(getattr(part, "dtype", None))
+            )
     n = q.values.shape[-1] * 2
     if n == 0 or n % GROUP_SIZE or q.scales.shape != (*q.values.shape[:-1], n // GROUP_SIZE):
-        raise KernelInputError("values must be (..., n / 2) and scales (..., n / 16) with n a multiple of 16",
-                               field="scales", values=tuple(q.values.shape), scales=tuple(q.scales.shape))
+        raise KernelInputError(
+            "values must be (..., n / 2) and scales (..., n / 16) with n a multiple of 16",
+            field="scales",
+            values=tuple(q.values.shape),
+            scales=tuple(q.scales.shape),
+        )
     check_global_scale(q.global_scale)
     check_rope_dim(q.rope_dim, n)
     if q.rope_dim:

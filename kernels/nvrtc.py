@@ -99,8 +99,12 @@ def _candidates() -> list[str]:
         paths.append(os.environ["KVOWN_NVRTC"])
     roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
     for root in dict.fromkeys(r for r in roots if r and os.path.isdir(r)):
-        for pattern in ("nvidia/cuda_nvrtc/lib/libnvrtc.so*", "nvidia/cu13/lib/libnvrtc.so*",
-                        "nvidia/cu12/lib/libnvrtc.so*", "cupy/.data/*/lib/libnvrtc.so*"):
+        for pattern in (
+            "nvidia/cuda_nvrtc/lib/libnvrtc.so*",
+            "nvidia/cu13/lib/libnvrtc.so*",
+            "nvidia/cu12/lib/libnvrtc.so*",
+            "cupy/.data/*/lib/libnvrtc.so*",
+        ):
             paths.extend(sorted(glob.glob(os.path.join(root, pattern)), reverse=True))
     for home in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home:

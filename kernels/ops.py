@@ -53,7 +53,9 @@ def _use_cuda(tensor: torch.Tensor, backend: str) -> bool:
         return False
     if backend == "cuda":
         if not tensor.is_cuda:
-            raise KernelInputError("backend 'cuda' needs CUDA tensors", field="backend", device=str(tensor.device))
+            raise KernelInputError(
+                "backend 'cuda' needs CUDA tensors", field="backend", device=str(tensor.device)
+            )
         cuda_loader.cupy_module()  # ModuleNotFoundError with the install hint
         return True
     if backend != "auto":
@@ -63,8 +65,12 @@ def _use_cuda(tensor: torch.Tensor, backend: str) -> bool:
 
 def _same_device(reference: torch.Tensor, tensor: torch.Tensor, field: str) -> None:
     if tensor.device != reference.device:
-        raise KernelInputError("tensors must be on one device", field=field, device=str(tensor.device),
-                               expected=str(reference.device))
+        raise KernelInputError(
+            "tensors must be on one device",
+            field=field,
+            device=str(tensor.device),
+            expected=str(reference.device),
+        )
 
 
 def _launch(device: torch.device, name: str, grid: tuple[int, ...], args: Any) -> None:
@@ -83,7 +89,9 @@ def _dl(tensor: torch.Tensor) -> Any:
     return cuda_loader.as_cupy(tensor)
 
 
-def _leading_dims(shape: Sequence[int], tensors: Sequence[torch.Tensor], field: str) -> tuple[list[int], list[list[int]]]:
+def _leading_dims(
+    shape: Sequence[int], tensors: Sequence[torch.Tensor], field: str
+) -> tuple[list[int], list[list[int]]]:
     """Merge the leading dims of ``tensors`` (same leading shape) into at most 4 (rule 2).
 
     Returns sizes (4, outermost first) and, per tensor, 4 strides in its own elements.
@@ -93,13 +101,14 @@ def _leading_dims(shape: Sequence[int], tensors: Sequence[torch.Tensor], field: 
         if size == 1:
             continue
         strides = [t.stride(axis) for t in tensors]
-        if dims and all(prev == stride * size for prev, stride in zip(dims[-1][1], strides)):
+        if dims and all(prev == stride * size for prev, stride in zip(dims[-1][1], strides, strict=True)):
             dims[-1] = (dims[-1][0] * size, strides)
         else:
             dims.append((size, strides))
     if len(dims) > 4:
-        raise KernelInputError("too many leading dimensions that cannot be merged (at most 4)", field=field,
-                               shape=tuple(shape))
+        raise KernelInputError(
+            "too many leading dimensions that cannot be merged (at most 4)", field=field, shape=tuple(shape)
+        )
     while len(dims) < 4:
         dims.insert(0, (1, [0] * len(tensors)))
     return [d[0] for d in dims], [[d[1][k] for d in dims] for k in range(len(tensors))]
@@ -107,20 +116,31 @@ def _leading_dims(shape: Sequence[int], tensors: Sequence[torch.Tensor], field: 
 
 def _check_plane(tensor: object, shape: tuple[int, ...], field: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8:
-        raise KernelInputError("expected a uint8 tensor", field=field, dtype=str(getattr(tensor, "dtype", None)))
+        raise KernelInputError(
+            "expected a uint8 tensor", field=field, dtype=str(getattr(tensor, "dtype", None))
+        )
     if tuple(tensor.shape) != shape:
         raise KernelInputError("wrong shape", field=field, shape=tuple(tensor.shape), expected=shape)
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise KernelInputError("the last dimension must be contiguous", field=field, stride=tuple(tensor.stride()))
+        raise KernelInputError(
+            "the last dimension must be contiguous", field=field, stride=tuple(tensor.stride())
+        )
     return tensor
 
 
 # ---- NVFP4 -----------------------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, global_scale: float | None = None, *, rope_dim: int = 0,
-             rope_global_scale: float | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-             check_finite: bool = True, backend: str = "auto") -> NVFP4Tensor:
+def quantize(
+    x: torch.Tensor,
+    global_scale: float | None = None,
+    *,
+    rope_dim: int = 0,
+    rope_global_scale: float | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> NVFP4Tensor:
     """NVFP4-quantise ``x`` (float32 / bfloat16 / float16, rows a multiple of 16) along its last dim.
 
     ``out=(values, scales)`` writes into given uint8 tensors (e.g. pool plane views) of shapes
@@ -159,10 +179,25 @@ def quantize(x: torch.Tensor, global_scale: float | None = None, *, rope_dim: in
     rows = sizes[0] * sizes[1] * sizes[2] * sizes[3]
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
     if rows:
-        _launch(x.device, "kv_nvfp4_quantize", ((rows * groups + THREADS - 1) // THREADS,), lambda: (
-            _dl(x), np.int32(_DTYPE_CODES[x.dtype]), _dl(values), _dl(scales), np.int64(rows), np.int32(groups),
-            np.int32(groups - rope_dim // GROUP_SIZE), np.float32(gs), np.float32(rope_gs or gs),
-            *(np.int64(s) for s in sizes[1:]), *(np.int64(s) for s in (*xs, *vs, *ss)), _dl(bad)))
+        _launch(
+            x.device,
+            "kv_nvfp4_quantize",
+            ((rows * groups + THREADS - 1) // THREADS,),
+            lambda: (
+                _dl(x),
+                np.int32(_DTYPE_CODES[x.dtype]),
+                _dl(values),
+                _dl(scales),
+                np.int64(rows),
+                np.int32(groups),
+                np.int32(groups - rope_dim // GROUP_SIZE),
+                np.float32(gs),
+                np.float32(rope_gs or gs),
+                *(np.int64(s) for s in sizes[1:]),
+                *(np.int64(s) for s in (*xs, *vs, *ss)),
+                _dl(bad),
+            ),
+        )
     if check_finite and int(bad.item()):
         raise KernelInputError("cannot quantise non-finite values", field="x")
     return NVFP4Tensor(values, scales, gs, rope_dim, rope_gs)
@@ -179,14 +214,20 @@ def dequantize(q: NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str 
     lead = tuple(q.values.shape[:-1])
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or tuple(out.shape) != (*lead, n):
-            raise KernelInputError("out must be a float32 tensor of shape (..., n)", field="out",
-                                   dtype=str(getattr(out, "dtype", None)), shape=tuple(getattr(out, "shape", ())))
+            raise KernelInputError(
+                "out must be a float32 tensor of shape (..., n)",
+                field="out",
+                dtype=str(getattr(out, "dtype", None)),
+                shape=tuple(getattr(out, "shape", ())),
+            )
         if out.stride(-1) != 1:
             raise KernelInputError("the last dimension must be contiguous", field="out")
         _same_device(q.values, out, "out")
     for name, part in (("values", q.values), ("scales", q.scales)):
         if part.shape[-1] > 1 and part.stride(-1) != 1:
-            raise KernelInputError("the last dimension must be contiguous", field=name, stride=tuple(part.stride()))
+            raise KernelInputError(
+                "the last dimension must be contiguous", field=name, stride=tuple(part.stride())
+            )
     if not _use_cuda(q.values, backend):
         result = nvfp4.dequantize(q)
         return result if out is None else out.copy_(result)
@@ -198,10 +239,23 @@ def dequantize(q: NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str 
     rows = sizes[0] * sizes[1] * sizes[2] * sizes[3]
     values, scales = q.values, q.scales
     if rows:
-        _launch(out.device, "kv_nvfp4_dequantize", ((rows * groups + THREADS - 1) // THREADS,), lambda: (
-            _dl(values), _dl(scales), _dl(out), np.int64(rows), np.int32(groups),
-            np.int32(groups - q.rope_dim // GROUP_SIZE), np.float32(gs), np.float32(rope_gs),
-            *(np.int64(s) for s in sizes[1:]), *(np.int64(s) for s in (*vs, *ss, *os_))))
+        _launch(
+            out.device,
+            "kv_nvfp4_dequantize",
+            ((rows * groups + THREADS - 1) // THREADS,),
+            lambda: (
+                _dl(values),
+                _dl(scales),
+                _dl(out),
+                np.int64(rows),
+                np.int32(groups),
+                np.int32(groups - q.rope_dim // GROUP_SIZE),
+                np.float32(gs),
+                np.float32(rope_gs),
+                *(np.int64(s) for s in sizes[1:]),
+                *(np.int64(s) for s in (*vs, *ss, *os_)),
+            ),
+        )
     return out
 
 
@@ -217,8 +271,9 @@ def _vec_ok(tensor: torch.Tensor, row_stride: int) -> int:
     return int(tensor.data_ptr() % 16 == 0 and row_stride % 16 == 0)
 
 
-def checksums(pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor | None = None, *,
-              backend: str = "auto") -> torch.Tensor:
+def checksums(
+    pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
     """64-bit checksums (int64 tensor on the blocks' device) of rows ``block_ids`` (default all) of
     ``pool_blocks``, a (num_blocks, block_nbytes) uint8 view of a pool. One launch for all blocks.
 
@@ -227,18 +282,37 @@ def checksums(pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor
     blocks._check_blocks(pool_blocks)
     if not _use_cuda(pool_blocks, backend):
         return blocks.checksums(pool_blocks, block_ids)
-    ids = blocks._check_ids(block_ids, pool_blocks.shape[0], pool_blocks.device) if block_ids is not None else None
+    ids = (
+        blocks._check_ids(block_ids, pool_blocks.shape[0], pool_blocks.device)
+        if block_ids is not None
+        else None
+    )
     num = ids.numel() if ids is not None else pool_blocks.shape[0]
     nbytes, row_stride = pool_blocks.shape[1], pool_blocks.stride(0)
     lanes = torch.zeros(2 * num, dtype=torch.int32, device=pool_blocks.device)
     result = torch.empty(num, dtype=torch.int64, device=pool_blocks.device)
     if num:
         vec = _vec_ok(pool_blocks, row_stride) and nbytes % 16 == 0
-        _launch(pool_blocks.device, "kv_checksum_lanes", _block_grid(nbytes, num, 64), lambda: (
-            _dl(pool_blocks), np.int64(row_stride), np.uint64(nbytes),
-            _dl(ids) if ids is not None else np.uint64(0), np.int64(num), np.int32(vec), _dl(lanes)))
-        _launch(pool_blocks.device, "kv_checksum_finish", ((num + THREADS - 1) // THREADS,), lambda: (
-            _dl(lanes), np.int64(num), np.uint64(nbytes), _dl(result)))
+        _launch(
+            pool_blocks.device,
+            "kv_checksum_lanes",
+            _block_grid(nbytes, num, 64),
+            lambda: (
+                _dl(pool_blocks),
+                np.int64(row_stride),
+                np.uint64(nbytes),
+                _dl(ids) if ids is not None else np.uint64(0),
+                np.int64(num),
+                np.int32(vec),
+                _dl(lanes),
+            ),
+        )
+        _launch(
+            pool_blocks.device,
+            "kv_checksum_finish",
+            ((num + THREADS - 1) // THREADS,),
+            lambda: (_dl(lanes), np.int64(num), np.uint64(nbytes), _dl(result)),
+        )
     return result
 
 
@@ -251,16 +325,34 @@ def checksum(tensor: torch.Tensor, *, backend: str = "auto") -> int:
 # ---- patterns and canaries -------------------------------------------------------------------------
 
 
-def _pattern_launch(name: str, target: torch.Tensor, seeds: tuple[int, int], extra: tuple[Any, ...] = ()) -> None:
+def _pattern_launch(
+    name: str, target: torch.Tensor, seeds: tuple[int, int], extra: tuple[Any, ...] = ()
+) -> None:
     flat = target.view(-1)
-    _launch(flat.device, name, _block_grid(flat.numel(), 1, 64), lambda: (
-        _dl(flat), np.int64(0), np.uint64(flat.numel()), np.uint64(0), np.uint64(0), np.int64(1), np.int32(0),
-        np.uint32(0), np.uint32(seeds[0]), np.uint32(seeds[1]), np.int32(_vec_ok(flat, 0)),
-        *(_dl(e) for e in extra)))
+    _launch(
+        flat.device,
+        name,
+        _block_grid(flat.numel(), 1, 64),
+        lambda: (
+            _dl(flat),
+            np.int64(0),
+            np.uint64(flat.numel()),
+            np.uint64(0),
+            np.uint64(0),
+            np.int64(1),
+            np.int32(0),
+            np.uint32(0),
+            np.uint32(seeds[0]),
+            np.uint32(seeds[1]),
+            np.int32(_vec_ok(flat, 0)),
+            *(_dl(e) for e in extra),
+        ),
+    )
 
 
-def fill_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *,
-                 backend: str = "auto") -> torch.Tensor:
+def fill_pattern(
+    tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *, backend: str = "auto"
+) -> torch.Tensor:
     """``kernels.blocks.fill_pattern`` on the tensor's device. Returns ``tensor``."""
     blocks._check_pattern_target(tensor)
     if not _use_cuda(tensor, backend):
@@ -270,34 +362,65 @@ def fill_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, block
     return tensor
 
 
-def first_pattern_mismatch(tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *,
-                           backend: str = "auto") -> int:
+def first_pattern_mismatch(
+    tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *, backend: str = "auto"
+) -> int:
     """Offset of the first byte that is not ``fill_pattern``'s, or -1 (syncs on CUDA)."""
     blocks._check_pattern_target(tensor)
     if not _use_cuda(tensor, backend):
         return blocks.first_pattern_mismatch(tensor, request_id, writer, block)
     first = torch.full((1,), -1, dtype=torch.int64, device=tensor.device)
     if tensor.numel():
-        _pattern_launch("kv_pattern_verify", tensor, blocks.pattern_seeds(request_id, writer, block), (first,))
+        _pattern_launch(
+            "kv_pattern_verify", tensor, blocks.pattern_seeds(request_id, writer, block), (first,)
+        )
     return int(first.item())
 
 
-def verify_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *,
-                   backend: str = "auto") -> bool:
+def verify_pattern(
+    tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *, backend: str = "auto"
+) -> bool:
     return first_pattern_mismatch(tensor, request_id, writer, block, backend=backend) == -1
 
 
-def _canary_launch(name: str, pool_blocks: torch.Tensor, ids: torch.Tensor, epochs: torch.Tensor, pool_id: int,
-                   extra: tuple[torch.Tensor, ...] = ()) -> None:
+def _canary_launch(
+    name: str,
+    pool_blocks: torch.Tensor,
+    ids: torch.Tensor,
+    epochs: torch.Tensor,
+    pool_id: int,
+    extra: tuple[torch.Tensor, ...] = (),
+) -> None:
     nbytes, row_stride = pool_blocks.shape[1], pool_blocks.stride(0)
-    _launch(pool_blocks.device, name, _block_grid(nbytes, ids.numel(), 64), lambda: (
-        _dl(pool_blocks), np.int64(row_stride), np.uint64(nbytes), _dl(ids), _dl(epochs), np.int64(ids.numel()),
-        np.int32(1), np.uint32(pool_id), np.uint32(0), np.uint32(0), np.int32(_vec_ok(pool_blocks, row_stride)),
-        *(_dl(e) for e in extra)))
+    _launch(
+        pool_blocks.device,
+        name,
+        _block_grid(nbytes, ids.numel(), 64),
+        lambda: (
+            _dl(pool_blocks),
+            np.int64(row_stride),
+            np.uint64(nbytes),
+            _dl(ids),
+            _dl(epochs),
+            np.int64(ids.numel()),
+            np.int32(1),
+            np.uint32(pool_id),
+            np.uint32(0),
+            np.uint32(0),
+            np.int32(_vec_ok(pool_blocks, row_stride)),
+            *(_dl(e) for e in extra),
+        ),
+    )
 
 
-def fill_canary(pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, pool_id: int,
-                epoch: int | Sequence[int] | torch.Tensor, *, backend: str = "auto") -> None:
+def fill_canary(
+    pool_blocks: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    pool_id: int,
+    epoch: int | Sequence[int] | torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
     """Fill rows ``block_ids`` of ``pool_blocks`` with the canary of (pool_id, block, epoch), one launch.
 
     Called: at retirement (the lead's engine), on the pool's device. After error: nothing written.
@@ -311,8 +434,14 @@ def fill_canary(pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tens
         _canary_launch("kv_pattern_fill", pool_blocks, ids, epochs, pool_id)
 
 
-def verify_canary(pool_blocks: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, pool_id: int,
-                  epoch: int | Sequence[int] | torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def verify_canary(
+    pool_blocks: torch.Tensor,
+    block_ids: Sequence[int] | torch.Tensor,
+    pool_id: int,
+    epoch: int | Sequence[int] | torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """First byte offset per block that is not its canary, or -1 (int64 tensor on the pool's device).
 
     Called: before a retired block is handed out again. No sync: the caller reads the result.

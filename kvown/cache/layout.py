@@ -185,7 +185,7 @@ class KVLayout:
         values = [Plane(f"{name}_values", "uint8", head_dim // 2) for name in names]
         scales = [Plane(f"{name}_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE) for name in names]
         if scale_layout == "inline":
-            planes = tuple(plane for pair in zip(values, scales) for plane in pair)
+            planes = tuple(plane for pair in zip(values, scales, strict=True) for plane in pair)
             return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", planes, "inline")
         return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", tuple(values),
                    "separate", tuple(scales))

@@ -19,7 +19,9 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-TIES = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0])
+TIES = torch.tensor(
+    [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0]
+)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -31,7 +33,9 @@ def cases() -> list[tuple[str, torch.Tensor, dict[str, object]]]:
     normal = torch.randn(1000, 128, generator=g)
     latent = torch.randn(64, 576, generator=g)
     latent[:, 512:] *= 30
-    wide = torch.randn(256, 64, generator=g) * torch.exp2(torch.randint(-30, 30, (256, 1), generator=g).float())
+    wide = torch.randn(256, 64, generator=g) * torch.exp2(
+        torch.randint(-30, 30, (256, 1), generator=g).float()
+    )
     odd_scales = TIES * torch.tensor([[1.125], [1.25], [1.375], [1.625], [1.75], [1.875], [3.5], [0.1875]])
     return [
         ("float32", normal, {}),
@@ -69,8 +73,14 @@ def test_dequantize_of_arbitrary_bytes_matches_the_reference() -> None:
 
 @pytest.mark.parametrize("scale_layout", ["inline", "separate"])
 def test_quantize_straight_into_vram_pool_planes(scale_layout: str) -> None:
-    layout = KVLayout.nvfp4(num_layers=3, num_blocks=8, tokens_per_block=16, num_kv_heads=4, head_dim=128,
-                            scale_layout=scale_layout)
+    layout = KVLayout.nvfp4(
+        num_layers=3,
+        num_blocks=8,
+        tokens_per_block=16,
+        num_kv_heads=4,
+        head_dim=128,
+        scale_layout=scale_layout,
+    )
     pool = KVPool(layout, device="cuda")
     scale_pool = KVPool(layout.scale_pool(), device="cuda") if scale_layout == "separate" else pool
     keys = torch.randn(4, 3, 16, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -102,7 +112,9 @@ def test_one_launch_checksums_more_blocks_than_a_grid_row() -> None:
 
 @pytest.mark.parametrize("nbytes", [1, 5, 16, 4099, (1 << 20) + 3])
 def test_patterns_match_the_reference_and_locate_a_bad_byte(nbytes: int) -> None:
-    gpu = ops.fill_pattern(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), "req-9", 2, 7, backend="cuda")
+    gpu = ops.fill_pattern(
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"), "req-9", 2, 7, backend="cuda"
+    )
     cpu = blocks.fill_pattern(torch.empty(nbytes, dtype=torch.uint8), "req-9", 2, 7)
     assert torch.equal(gpu.cpu(), cpu)
     assert ops.verify_pattern(gpu, "req-9", 2, 7, backend="cuda")
@@ -125,7 +137,12 @@ def test_canaries_match_the_reference_and_catch_a_late_write() -> None:
     gpu[10, 2049] += 1
     gpu[63, 4099] ^= 0x80
     gpu[63, 5000 - 4100 + 7] ^= 1  # an earlier bad byte in the same block wins
-    assert ops.verify_canary(gpu, retired, 17, [1, 2, 3, 1 << 40], backend="cuda").tolist() == [-1, -1, 2049, 907]
+    assert ops.verify_canary(gpu, retired, 17, [1, 2, 3, 1 << 40], backend="cuda").tolist() == [
+        -1,
+        -1,
+        2049,
+        907,
+    ]
     assert ops.verify_canary(gpu, [3], 17, 2, backend="cuda").tolist() != [-1]
 
 

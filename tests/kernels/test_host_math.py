@@ -24,8 +24,10 @@ def host():  # type: ignore[no-untyped-def]
     try:
         return importlib.import_module("kernels._kv_host")
     except ImportError as exc:
-        pytest.fail(f"kernels._kv_host is not built ({exc}): run `make setup` "
-                    "(pip install --no-deps -e .) or `python setup.py build_ext --inplace`")
+        pytest.fail(
+            f"kernels._kv_host is not built ({exc}): run `make setup` "
+            "(pip install --no-deps -e .) or `python setup.py build_ext --inplace`"
+        )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -77,9 +79,27 @@ def test_e4m3_decode_matches_torch_for_all_256_codes(host) -> None:  # type: ign
 
 def test_e2m1_encode_and_decode_match_the_reference(host) -> None:  # type: ignore[no-untyped-def]
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
-    around = [v for t in ties for v in (np.nextafter(t, 0, dtype=np.float32), t, np.nextafter(t, 9, dtype=np.float32))]
-    edge = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 6.0, 6.5, 1e38, float("inf"), -float("inf"), *around,
-                         *(-v for v in around)], dtype=torch.float32)
+    around = [
+        v
+        for t in ties
+        for v in (np.nextafter(t, 0, dtype=np.float32), t, np.nextafter(t, 9, dtype=np.float32))
+    ]
+    edge = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            6.0,
+            6.5,
+            1e38,
+            float("inf"),
+            -float("inf"),
+            *around,
+            *(-v for v in around),
+        ],
+        dtype=torch.float32,
+    )
     x = torch.cat((edge, torch.empty(100_000).uniform_(-8, 8, generator=torch.Generator().manual_seed(5))))
     out = np.empty(x.numel(), dtype=np.uint8)
     host.e2m1_encode(x.numpy(), out)
@@ -119,9 +139,13 @@ def host_quantize(host, x: torch.Tensor, q: nvfp4.NVFP4Tensor) -> tuple[torch.Te
     return torch.from_numpy(values).reshape(q.values.shape), torch.from_numpy(scales).reshape(q.scales.shape)
 
 
-TIES = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0])
+TIES = torch.tensor(
+    [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0]
+)
 # Rows whose amax is 6 * s, so the scale is exactly s (an E4M3 value) and every value is an exact tie.
-TIES_AT_ODD_SCALES = TIES * torch.tensor([[1.125], [1.25], [1.375], [1.625], [1.75], [1.875], [3.5], [0.625], [0.1875]])
+TIES_AT_ODD_SCALES = TIES * torch.tensor(
+    [[1.125], [1.25], [1.375], [1.625], [1.75], [1.875], [3.5], [0.625], [0.1875]]
+)
 
 
 def quantize_cases() -> list[tuple[str, torch.Tensor, dict[str, object]]]:
@@ -140,8 +164,11 @@ def quantize_cases() -> list[tuple[str, torch.Tensor, dict[str, object]]]:
         ("saturating scales (gs tiny)", normal * 100, {"global_scale": 1e-6}),
         ("subnormal E4M3 scales (gs large)", normal, {"global_scale": 40.0}),
         ("exact ties, gs 1", ties.repeat(4, 2), {"global_scale": 1.0}),
-        ("ties at power-of-two scales", ties.repeat(3, 1) * torch.tensor([[0.125], [4.0], [2.0**-8]]),
-         {"global_scale": 1.0}),
+        (
+            "ties at power-of-two scales",
+            ties.repeat(3, 1) * torch.tensor([[0.125], [4.0], [2.0**-8]]),
+            {"global_scale": 1.0},
+        ),
         ("ties at non-power-of-two scales", TIES_AT_ODD_SCALES, {"global_scale": 1.0}),
         ("zeros and negative zeros", zeros, {}),
         ("wide dynamic range", wide, {"global_scale": 3.7e-3}),
@@ -149,8 +176,11 @@ def quantize_cases() -> list[tuple[str, torch.Tensor, dict[str, object]]]:
         ("bfloat16", normal.to(torch.bfloat16), {}),
         ("float16", (normal * 1000).to(torch.float16), {"global_scale": 0.5}),
         ("MLA latent 512 + 64", latent, {"rope_dim": 64}),
-        ("MLA latent, given scales", latent.to(torch.bfloat16), {"rope_dim": 64, "global_scale": 0.01,
-                                                                  "rope_global_scale": 0.2}),
+        (
+            "MLA latent, given scales",
+            latent.to(torch.bfloat16),
+            {"rope_dim": 64, "global_scale": 0.01, "rope_global_scale": 0.2},
+        ),
     ]
 
 
@@ -186,8 +216,13 @@ def test_dequantize_matches_the_reference_bit_for_bit(host) -> None:  # type: ig
     scales = torch.randint(0, 256, (rows, n // 16), generator=g, dtype=torch.int32).to(torch.uint8)
     scales[(scales & 0x7F) == 0x7F] = 0x3F  # NaN scale codes are checked below
     for gs, rope_dim, rope_gs in ((1.0, 0, None), (3.1e-5, 64, 0.37), (1e30, 0, None), (1e-40, 64, 2.0**-20)):
-        q = nvfp4.NVFP4Tensor(values, scales, nvfp4.as_float32(gs), rope_dim,
-                              None if rope_gs is None else nvfp4.as_float32(rope_gs))
+        q = nvfp4.NVFP4Tensor(
+            values,
+            scales,
+            nvfp4.as_float32(gs),
+            rope_dim,
+            None if rope_gs is None else nvfp4.as_float32(rope_gs),
+        )
         out = np.empty(rows * n, dtype=np.float32)
         a, b = q.group_scales()
         host.dequantize(values.numpy(), scales.numpy(), rows, n, a, b, (n - rope_dim) // 16, out)
@@ -231,7 +266,7 @@ def test_patterns_and_canary_seeds_match_the_reference(host) -> None:  # type: i
     ids = torch.randint(0, 1 << 32, (64,), generator=g, dtype=torch.int64)
     epochs = torch.randint(0, 1 << 62, (64,), generator=g, dtype=torch.int64)
     epochs[:3] = torch.tensor([0, (1 << 32) - 1, (1 << 63) - 1])
-    for pool, block, epoch in zip(pools.tolist(), ids.tolist(), epochs.tolist()):
+    for pool, block, epoch in zip(pools.tolist(), ids.tolist(), epochs.tolist(), strict=True):
         a, b = blocks.canary_seeds(pool, torch.tensor([block]), torch.tensor([epoch]))
         assert host.canary_seeds(pool, block, epoch) == (int(a), int(b))
     words = torch.randint(0, 1 << 32, (4096,), generator=g, dtype=torch.int64)

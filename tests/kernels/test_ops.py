@@ -23,8 +23,9 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale_layout", ["inline", "separate"])
 def test_quantize_into_pool_planes_and_back(scale_layout: str) -> None:
-    layout = KVLayout.nvfp4(num_layers=2, num_blocks=6, tokens_per_block=8, num_kv_heads=2, head_dim=64,
-                            scale_layout=scale_layout)
+    layout = KVLayout.nvfp4(
+        num_layers=2, num_blocks=6, tokens_per_block=8, num_kv_heads=2, head_dim=64, scale_layout=scale_layout
+    )
     pool = KVPool(layout)
     scale_pool = KVPool(layout.scale_pool()) if scale_layout == "separate" else pool
     blocks_written = [1, 4]
@@ -38,8 +39,9 @@ def test_quantize_into_pool_planes_and_back(scale_layout: str) -> None:
             assert q.values.data_ptr() == out[0].data_ptr()
             reference = nvfp4.quantize(x[index], 0.01)
             assert torch.equal(out[0], reference.values) and torch.equal(out[1], reference.scales)
-            landed = nvfp4.NVFP4Tensor(pool.plane_view(f"{name}_values")[block],
-                                       scale_pool.plane_view(f"{name}_scales")[block], 0.01)
+            landed = nvfp4.NVFP4Tensor(
+                pool.plane_view(f"{name}_values")[block], scale_pool.plane_view(f"{name}_scales")[block], 0.01
+            )
             assert torch.equal(ops.dequantize(landed), nvfp4.dequantize(reference))
         assert values.shape == (2, 2, 2, 8, 32)
     untouched = [b for b in range(6) if b not in blocks_written]
@@ -88,14 +90,36 @@ def test_cpu_tensors_run_the_reference_and_cuda_backend_needs_cuda_tensors() -> 
         (lambda: ops.quantize(torch.ones(64), rope_dim=64), "rope_dim"),
         (lambda: ops.quantize(torch.ones(64), rope_global_scale=1.0), "rope_global_scale"),
         (lambda: ops.quantize(torch.ones(64), rope_dim=16, rope_global_scale=math.nan), "rope_global_scale"),
-        (lambda: ops.quantize(torch.ones(2, 32), out=(torch.zeros(2, 16, dtype=torch.uint8),
-                                                      torch.zeros(2, 3, dtype=torch.uint8))), "out_scales"),
-        (lambda: ops.quantize(torch.ones(2, 32), out=(torch.zeros(2, 16, dtype=torch.int8),
-                                                      torch.zeros(2, 2, dtype=torch.uint8))), "out_values"),
-        (lambda: ops.dequantize(nvfp4.NVFP4Tensor(torch.zeros(2, 8, dtype=torch.uint8),
-                                                  torch.zeros(2, 2, dtype=torch.uint8), 1.0)), "scales"),
-        (lambda: ops.dequantize(nvfp4.NVFP4Tensor(torch.zeros(2, 8, dtype=torch.uint8),
-                                                  torch.zeros(2, 1, dtype=torch.uint8), float("nan"))), "global_scale"),
+        (
+            lambda: ops.quantize(
+                torch.ones(2, 32),
+                out=(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8)),
+            ),
+            "out_scales",
+        ),
+        (
+            lambda: ops.quantize(
+                torch.ones(2, 32),
+                out=(torch.zeros(2, 16, dtype=torch.int8), torch.zeros(2, 2, dtype=torch.uint8)),
+            ),
+            "out_values",
+        ),
+        (
+            lambda: ops.dequantize(
+                nvfp4.NVFP4Tensor(
+                    torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8), 1.0
+                )
+            ),
+            "scales",
+        ),
+        (
+            lambda: ops.dequantize(
+                nvfp4.NVFP4Tensor(
+                    torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), float("nan")
+                )
+            ),
+            "global_scale",
+        ),
         (lambda: ops.dequantize(nvfp4.NVFP4Tensor(torch.zeros(2, 8), torch.zeros(2, 1), 1.0)), "values"),
         (lambda: ops.dequantize((1, 2)), "q"),  # type: ignore[arg-type]
         (lambda: ops.checksums(torch.zeros(16, dtype=torch.uint8)), "blocks"),
@@ -123,10 +147,17 @@ def test_leading_dims_merge_to_at_most_four() -> None:
     sizes, strides = ops._leading_dims(plane.shape[:-1], [plane], "x")
     assert sizes == [1, 1, 3 * 2 * 2, 4]  # blocks, heads and layers merge; tokens of one plane do not
     # Rows visited in order land where the strided view says.
-    offsets = {sum(i * s for i, s in zip(index, strides[0])) for index in torch.cartesian_prod(
-        *(torch.arange(n) for n in sizes)).tolist()}
-    assert offsets == {plane[b, h, l, t].data_ptr() - plane.data_ptr()
-                       for b in range(3) for h in range(2) for l in range(2) for t in range(4)}
+    offsets = {
+        sum(i * s for i, s in zip(index, strides[0], strict=True))
+        for index in torch.cartesian_prod(*(torch.arange(n) for n in sizes)).tolist()
+    }
+    assert offsets == {
+        plane[b, h, layer, t].data_ptr() - plane.data_ptr()
+        for b in range(3)
+        for h in range(2)
+        for layer in range(2)
+        for t in range(4)
+    }
     six = torch.zeros(2, 3, 4, 5, 6, 32)[:, ::2, :, ::2, :, ::2][..., :16]
     with pytest.raises(ValueError) as raised:
         ops._leading_dims(six.shape[:-1], [six, six[..., :1]], "x")
@@ -166,7 +197,9 @@ def test_checksums_of_chosen_blocks_equal_those_of_the_whole_pool() -> None:
 def test_changing_any_one_word_always_changes_the_checksum(nbytes: int, data: st.DataObject) -> None:
     """Invariant 1 of kernels.blocks, over many sizes and positions (not a probabilistic claim)."""
     seed = data.draw(st.integers(0, 2**31))
-    block = torch.randint(0, 256, (1, nbytes), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    block = torch.randint(
+        0, 256, (1, nbytes), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+    )
     block = block.to(torch.uint8)
     word = data.draw(st.integers(0, (nbytes - 1) // 4))
     changed = block.clone()

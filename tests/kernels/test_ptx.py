@@ -31,8 +31,11 @@ def nvrtc():  # type: ignore[no-untyped-def]
 def test_every_kernel_compiles_to_ptx(nvrtc, arch: str) -> None:  # type: ignore[no-untyped-def]
     if int(arch.split("_")[1]) not in nvrtc.supported_archs():
         pytest.skip(f"NVRTC {nvrtc.version} at {nvrtc.path} does not know {arch}")
-    ptx = nvrtc.compile_ptx(cuda_loader.kernel_source(), "kv_kernels.cu",
-                            (*cuda_loader.NVRTC_OPTIONS, f"--gpu-architecture={arch}"))
+    ptx = nvrtc.compile_ptx(
+        cuda_loader.kernel_source(),
+        "kv_kernels.cu",
+        (*cuda_loader.NVRTC_OPTIONS, f"--gpu-architecture={arch}"),
+    )
     entries = re.findall(r"\.entry\s+(\w+)", ptx)
     assert sorted(entries) == sorted(cuda_loader.KERNEL_NAMES)
     # The floating-point promises of kv_math.cuh rule 1, as the PTX shows them.
