@@ -142,17 +142,22 @@ def resolve_scales(
 
     A missing scale needs amax over x (or its rope columns): one pass and, on CUDA, one sync.
     """
-    nope = x[..., : x.shape[-1] - rope_dim]
+
+    def amax(part: torch.Tensor) -> float:
+        value = float(part.abs().max()) if part.numel() else 0.0
+        if not math.isfinite(value):
+            raise KernelInputError("cannot quantise non-finite values", field="x")
+        return value
+
     if global_scale is None:
-        global_scale = default_global_scale(float(nope.abs().max()) if nope.numel() else 0.0)
+        global_scale = default_global_scale(amax(x[..., : x.shape[-1] - rope_dim]))
     gs = check_global_scale(global_scale)
     if not rope_dim:
         if rope_global_scale is not None:
             raise KernelInputError("rope_global_scale needs rope_dim > 0", field="rope_global_scale")
         return gs, None
     if rope_global_scale is None:
-        rope = x[..., x.shape[-1] - rope_dim :]
-        rope_global_scale = default_global_scale(float(rope.abs().max()) if rope.numel() else 0.0)
+        rope_global_scale = default_global_scale(amax(x[..., x.shape[-1] - rope_dim :]))
     return gs, check_global_scale(rope_global_scale, "rope_global_scale")
 
 

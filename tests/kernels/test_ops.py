@@ -207,3 +207,11 @@ def test_changing_any_one_word_always_changes_the_checksum(nbytes: int, data: st
     delta = data.draw(st.lists(st.integers(0, 255), min_size=span.numel(), max_size=span.numel()).filter(any))
     span ^= torch.tensor(delta, dtype=torch.uint8)
     assert int(blocks.checksums(changed)[0]) != int(blocks.checksums(block)[0])
+
+
+def test_a_missing_global_scale_over_non_finite_values_blames_x() -> None:
+    x = torch.ones(2, 32)
+    x[1, 3] = float("inf")
+    with pytest.raises(KernelInputError) as raised:
+        nvfp4.resolve_scales(x, None, 0, None)  # the CUDA path asks this before launching
+    assert raised.value.fields["field"] == "x"
