@@ -20,7 +20,7 @@ all: test
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(LOCK) pyproject.toml setup.py | $(VENV)/bin/python
+$(STAMP): $(LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/kv_host.cpp | $(VENV)/bin/python
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
 	$(VENV)/bin/python -m pip install --quiet -r $(LOCK)
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
@@ -46,4 +46,5 @@ docs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -f kernels/_kv_host*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

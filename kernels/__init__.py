@@ -1,5 +1,6 @@
-"""kvown kernels: CUDA sources (later) and their CPU references, which define the semantics.
+"""kvown kernels: NVFP4 quantise / dequantise, block checksums, test patterns and canaries.
 
-``kernels.nvfp4`` holds the torch reference for NVFP4 pack/unpack, block checksums and the test
-patterns that verifiers recompute. No protocol logic lives here.
+``kernels.ops`` is the API (CUDA kernels through CuPy for CUDA tensors, the torch reference for CPU
+tensors); ``kernels.nvfp4`` and ``kernels.blocks`` are the references that define the bits;
+``kernels/cuda/`` holds the CUDA sources. See kernels/README.md. No protocol logic lives here.
 """

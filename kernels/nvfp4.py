@@ -1,6 +1,8 @@
-"""CPU reference (torch, vectorised) for NVFP4 KV quantisation, block checksums and test patterns.
+"""CPU reference (torch, vectorised) for NVFP4 KV quantisation: the semantics the CUDA kernels match.
 
-Owns: the reference semantics that the CUDA kernels in this folder must match bit for bit.
+Owns: the reference NVFP4 encoder and decoder that kv_math.cuh implements bit for bit on the GPU
+(and, built for the host, in tests). Block checksums, patterns and canaries live in kernels/blocks.py
+(re-exported here for older imports).
 
 NVFP4, as used here:
   * Values are E2M1 (1 sign, 2 exponent, 1 mantissa bit): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
@@ -8,66 +10,180 @@ NVFP4, as used here:
     element 2i+1 in the HIGH nibble.
   * Every 16 consecutive values along the last dimension share one scale, stored as FP8 E4M3
     (``float8_e4m3fn``) bits in a uint8 tensor, so it fits a pool plane byte for byte.
-  * A per-tensor float32 ``global_scale`` keeps the block scales inside E4M3's range (max 448):
-    ``value = e2m1 * scale_fp8 * global_scale``. For a KV cache it is a per-layer constant fixed by
-    calibration and travels out of band (model config), not in the KV blocks.
-  * Rounding: to nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2,
-    3.5 -> 4, 5 -> 4); magnitudes above 6 saturate to 6.
+  * A float32 global scale ``gs`` (finite, > 0) keeps the block scales inside E4M3's range:
+    ``value = e2m1 * scale_fp8 * gs``. For a KV cache it is a per-layer constant fixed by calibration
+    and travels out of band (model config), not in the KV blocks. The MLA latent (512 + 64) may give
+    its last ``rope_dim`` columns their own global scale (the rope part has another range).
+  * Exact arithmetic, all float32 with round-to-nearest-even and no fused multiply-add:
+        scale code = E4M3(min(amax16 / (6 * gs), 448))        (E4M3 rounding: ties to even)
+        effective  = float(scale code) * gs
+        value code = E2M1(x / effective), or 0 when effective == 0
+        decoded    = float(E2M1 code) * effective
+    E2M1 rounding: to nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+    2.5 -> 2, 3.5 -> 4, 5 -> 4); magnitudes above 6 saturate to 6; a negative value that rounds to
+    zero is code 0 (no negative zero). Every division here is tensor / tensor on the data's device,
+    never by a Python scalar (torch on CUDA turns ``t / scalar`` into ``t * (1 / scalar)``).
 
 Rules:
-  1. No Python loop runs per element: everything is torch tensor ops (loops run per MiB chunk only).
-  2. Results depend only on the bytes and the arguments, never on the device or the chunking.
+  1. No Python loop runs per element: everything is torch tensor ops.
+  2. Results depend only on the bytes and the arguments, never on the device.
+  3. Malformed input raises ``KernelInputError`` (a ``ValueError``) naming the argument: a dtype
+     other than float32 / bfloat16 / float16, a last dimension that is not a positive multiple of
+     16, non-finite values, a global scale that is not finite and > 0 as a float32.
 
 Invariants:
   1. ``dequantize(quantize(x))`` is exact when every group of 16 is an E2M1 value times one
      power-of-two scale (and the global scale is 1).
-  2. ``checksum`` changes when any byte changes, or when bytes move (it weights bytes by position).
-  3. ``verify_pattern(t, r, w, b)`` is True right after ``fill_pattern(t, r, w, b)`` and, with
-     overwhelming likelihood, False for any other (r, w, b) or a shifted copy.
+  2. Values and scales have the same leading shape as ``x``: (..., n // 2) and (..., n // 16).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import math
 
 import torch
 
-from kvown.core.errors import LocalProtocolError
+from kernels.blocks import (  # noqa: F401  (re-exported: older code imports these from here)
+    _CHUNK_BYTES,
+    checksum,
+    checksums,
+    fill_pattern,
+    first_pattern_mismatch,
+    verify_pattern,
+)
+from kernels.errors import KernelInputError
 
 GROUP_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive magnitudes
-
-_CHUNK_BYTES = 1 << 20  # chunk for checksum/patterns: bounds int64 temporaries to 8 MiB
-_CHECKSUM_PRIME = (1 << 61) - 1
-_CHECKSUM_MIX = 1_000_003
+# (threshold, inclusive): the E2M1 index is how many of these the magnitude passes; inclusive
+# thresholds are the ties that round up to an even code.
+_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
 class NVFP4Tensor:
     values: torch.Tensor  # uint8, shape (..., n // 2): two E2M1 codes per byte
     scales: torch.Tensor  # uint8 bits of float8_e4m3fn, shape (..., n // 16)
-    global_scale: float
+    global_scale: float  # a float32 value
+    rope_dim: int = 0  # the last rope_dim columns use rope_global_scale (MLA latent)
+    rope_global_scale: float | None = None
+
+    @property
+    def n(self) -> int:
+        return self.values.shape[-1] * 2
+
+    def group_scales(self) -> tuple[float, float]:
+        return self.global_scale, self.rope_global_scale if self.rope_dim else self.global_scale
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (the precision every scale is used at)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def check_global_scale(value: object, field: str = "global_scale") -> float:
+    """``value`` as a float32 that is finite and > 0, or ``KernelInputError`` naming ``field``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise KernelInputError("global scale must be a number", field=field, value=value)
+    rounded = as_float32(float(value)) if math.isfinite(value) else float(value)
+    if not math.isfinite(rounded) or rounded <= 0.0:
+        raise KernelInputError("global scale must be finite and > 0 (as a float32)", field=field, value=value)
+    return rounded
+
+
+def default_global_scale(amax: float) -> float:
+    """amax / (6 * 448) as a float32, so the largest block scale is E4M3's largest; 1.0 for amax 0."""
+    scale = as_float32(amax / (E2M1_MAX * E4M3_MAX)) if amax > 0 else 0.0
+    return scale if scale > 0 else 1.0
+
+
+def check_input(x: object, field: str = "x") -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        raise KernelInputError(
+            "expected a float32, bfloat16 or float16 tensor",
+            field=field,
+            dtype=str(getattr(x, "dtype", type(x).__name__)),
+        )
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % GROUP_SIZE:
+        raise KernelInputError(
+            "rows (the last dimension) must be a positive multiple of 16", field=field, shape=tuple(x.shape)
+        )
+
+
+def check_rope_dim(rope_dim: object, n: int) -> int:
+    if (
+        isinstance(rope_dim, bool)
+        or not isinstance(rope_dim, int)
+        or not 0 <= rope_dim < n
+        or rope_dim % GROUP_SIZE
+    ):
+        raise KernelInputError(
+            "rope_dim must be a multiple of 16 in [0, n)", field="rope_dim", value=rope_dim, n=n
+        )
+    return rope_dim
+
+
+def resolve_scales(
+    x: torch.Tensor, global_scale: float | None, rope_dim: int, rope_global_scale: float | None
+) -> tuple[float, float | None]:
+    """The float32 global scales of a quantisation: given ones checked, missing ones from amax.
+
+    A missing scale needs amax over x (or its rope columns): one pass and, on CUDA, one sync.
+    """
+
+    def amax(part: torch.Tensor) -> float:
+        value = float(part.abs().max()) if part.numel() else 0.0
+        if not math.isfinite(value):
+            raise KernelInputError("cannot quantise non-finite values", field="x")
+        return value
+
+    if global_scale is None:
+        global_scale = default_global_scale(amax(x[..., : x.shape[-1] - rope_dim]))
+    gs = check_global_scale(global_scale)
+    if not rope_dim:
+        if rope_global_scale is not None:
+            raise KernelInputError("rope_global_scale needs rope_dim > 0", field="rope_global_scale")
+        return gs, None
+    if rope_global_scale is None:
+        rope_global_scale = default_global_scale(amax(x[..., x.shape[-1] - rope_dim :]))
+    return gs, check_global_scale(rope_global_scale, "rope_global_scale")
+
+
+def _group_scales(
+    num_groups: int, rope_dim: int, gs: float, rope_gs: float | None, device: torch.device
+) -> torch.Tensor:
+    scales = torch.full((num_groups,), gs, dtype=torch.float32, device=device)
+    if rope_dim:
+        scales[num_groups - rope_dim // GROUP_SIZE :] = rope_gs
+    return scales
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to E2M1 codes (uint8 in 0..15), ties to even, saturating at 6."""
-    magnitude = x.abs().clamp(max=E2M1_MAX)
-    midpoints = torch.tensor(_MIDPOINTS, dtype=magnitude.dtype, device=x.device)
-    index = torch.bucketize(magnitude, midpoints)  # on a midpoint k this picks the lower code k
-    on_midpoint = magnitude == midpoints[index.clamp(max=len(_MIDPOINTS) - 1)]
-    index = index + (on_midpoint & (index % 2 == 1)).to(index.dtype)  # ...so odd k rounds up to even
+    """Round already-scaled float32 values to E2M1 codes (uint8 in 0..15), ties to even, saturating at 6."""
+    magnitude = x.abs()
+    index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for threshold, inclusive in _THRESHOLDS:
+        index += (magnitude >= threshold) if inclusive else (magnitude > threshold)
     negative = (x < 0) & (index > 0)  # no negative zero: 0 is always code 0
-    return (index | (negative.to(index.dtype) << 3)).to(torch.uint8)
+    return index | (negative.to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
     magnitude = table[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)  # code 8 decodes to -0.0
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -79,103 +195,72 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def quantize(x: torch.Tensor, global_scale: float | None = None) -> NVFP4Tensor:
-    """NVFP4-quantise ``x`` along its last dimension (a multiple of 16).
+def quantize(
+    x: torch.Tensor,
+    global_scale: float | None = None,
+    *,
+    rope_dim: int = 0,
+    rope_global_scale: float | None = None,
+) -> NVFP4Tensor:
+    """NVFP4-quantise ``x`` (float32 / bfloat16 / float16) along its last dimension (a multiple of 16).
 
-    ``global_scale`` defaults to ``amax(|x|) / (6 * 448)`` so every block scale fits E4M3.
-    After error: ``LocalProtocolError`` for a bad shape or non-finite input.
+    ``global_scale`` defaults to ``amax(|x|) / (6 * 448)``; with ``rope_dim`` the last ``rope_dim``
+    columns use ``rope_global_scale`` (default: their own amax / (6 * 448)).
+    After error: ``KernelInputError`` (a ValueError) naming the argument.
     """
-    if x.dim() == 0 or x.shape[-1] % GROUP_SIZE:
-        raise LocalProtocolError("last dimension must be a multiple of 16", field="x", shape=tuple(x.shape))
+    check_input(x)
+    check_rope_dim(rope_dim, x.shape[-1])
     values = x.float()
     if not bool(torch.isfinite(values).all()):
-        raise LocalProtocolError("cannot quantise non-finite values", field="x")
-    if global_scale is None:
-        amax = float(values.abs().max()) if values.numel() else 0.0
-        global_scale = amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0
-    groups = values.reshape(*values.shape[:-1], values.shape[-1] // GROUP_SIZE, GROUP_SIZE)
-    wanted_scale = groups.abs().amax(dim=-1) / E2M1_MAX / global_scale
-    scales_fp8 = wanted_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = scales_fp8.float().unsqueeze(-1) * global_scale
-    scaled = torch.where(scale > 0, groups / torch.where(scale > 0, scale, 1.0), 0.0)
+        raise KernelInputError("cannot quantise non-finite values", field="x")
+    gs, rope_gs = resolve_scales(values, global_scale, rope_dim, rope_global_scale)
+    num_groups = values.shape[-1] // GROUP_SIZE
+    groups = values.reshape(*values.shape[:-1], num_groups, GROUP_SIZE)
+    group_gs = _group_scales(num_groups, rope_dim, gs, rope_gs, values.device)
+    denominator = torch.tensor(E2M1_MAX, dtype=torch.float32, device=values.device) * group_gs
+    wanted = groups.abs().amax(dim=-1) / denominator
+    wanted = torch.where(wanted <= E4M3_MAX, wanted, E4M3_MAX)  # also catches inf
+    scales_fp8 = wanted.to(torch.float8_e4m3fn)
+    effective = scales_fp8.float() * group_gs
+    positive = effective > 0
+    divisor = torch.where(positive, effective, 1.0).unsqueeze(-1)
+    scaled = torch.where(positive.unsqueeze(-1), groups / divisor, 0.0)
     codes = encode_e2m1(scaled).reshape(values.shape)
-    return NVFP4Tensor(pack_nibbles(codes), scales_fp8.view(torch.uint8), float(global_scale))
+    return NVFP4Tensor(pack_nibbles(codes), scales_fp8.view(torch.uint8), gs, rope_dim, rope_gs)
+
+
+def check_nvfp4(q: object) -> NVFP4Tensor:
+    """``q`` if it is a well-formed NVFP4Tensor, else ``KernelInputError`` naming the part."""
+    if not isinstance(q, NVFP4Tensor):
+        raise KernelInputError("expected an NVFP4Tensor", field="q", type=type(q).__name__)
+    for name in ("values", "scales"):
+        part = getattr(q, name)
+        if not isinstance(part, torch.Tensor) or part.dtype != torch.uint8 or part.dim() == 0:
+            raise KernelInputError(
+                "expected a uint8 tensor", field=name, dtype=str(getattr(part, "dtype", None))
+            )
+    n = q.values.shape[-1] * 2
+    if n == 0 or n % GROUP_SIZE or q.scales.shape != (*q.values.shape[:-1], n // GROUP_SIZE):
+        raise KernelInputError(
+            "values must be (..., n / 2) and scales (..., n / 16) with n a multiple of 16",
+            field="scales",
+            values=tuple(q.values.shape),
+            scales=tuple(q.scales.shape),
+        )
+    check_global_scale(q.global_scale)
+    check_rope_dim(q.rope_dim, n)
+    if q.rope_dim:
+        check_global_scale(q.rope_global_scale, "rope_global_scale")
+    return q
 
 
 def dequantize(q: NVFP4Tensor) -> torch.Tensor:
     """float32 values of ``q`` (shape (..., n))."""
+    check_nvfp4(q)
     codes = unpack_nibbles(q.values)
-    groups = decode_e2m1(codes).reshape(*codes.shape[:-1], codes.shape[-1] // GROUP_SIZE, GROUP_SIZE)
-    scale = q.scales.view(torch.float8_e4m3fn).float().unsqueeze(-1) * q.global_scale
-    return (groups * scale).reshape(codes.shape)
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8).reshape(-1)
-
-
-def _position_weights(count: int, device: torch.device) -> torch.Tensor:
-    index = torch.arange(1, count + 1, dtype=torch.int64, device=device)
-    return (((index * 0x9E3779B1) & 0xFFFFFFFF) >> 1) | 1  # odd, < 2**31: byte * weight < 2**39
-
-
-def checksum(tensor: torch.Tensor) -> int:
-    """A cheap content fingerprint of ``tensor``'s bytes (any dtype, any device), as a Python int.
-
-    A position-weighted sum per MiB chunk (fits int64 exactly), chained over chunks modulo 2**61 - 1,
-    with the length mixed in. Not cryptographic: it catches corruption and misplaced bytes, not forgery.
-    Called: by verifiers after a transfer; O(nbytes), about a few ms per MiB on CPU.
-    """
-    data = _flat_bytes(tensor)
-    total = 0
-    for start in range(0, data.numel(), _CHUNK_BYTES):
-        chunk = data[start : start + _CHUNK_BYTES].to(torch.int64)
-        chunk_sum = int((chunk * _position_weights(chunk.numel(), chunk.device)).sum())
-        total = (total * _CHECKSUM_MIX + chunk_sum + 1) % _CHECKSUM_PRIME
-    return (total * _CHECKSUM_MIX + data.numel()) % _CHECKSUM_PRIME
-
-
-def _pattern_seed(request_id: int | str, writer: int, block: int) -> tuple[int, int]:
-    digest = hashlib.blake2b(f"{request_id!r}/{writer}/{block}".encode(), digest_size=8).digest()
-    word = int.from_bytes(digest, "little")
-    return (word & 0x3FFFFFFF) | 1, (word >> 32) & 0x7FFFFFFF  # odd multiplier < 2**30, offset
-
-
-def _pattern_chunk(start: int, count: int, seeds: tuple[int, int], device: torch.device) -> torch.Tensor:
-    multiplier, offset = seeds
-    index = torch.arange(start, start + count, dtype=torch.int64, device=device) & 0xFFFFFFFF
-    mixed = index * multiplier + offset  # < 2**63 for index < 2**32: no int64 overflow
-    mixed = mixed ^ (mixed >> 17)
-    return ((mixed >> 7) & 0xFF).to(torch.uint8)
-
-
-def _check_pattern_target(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype != torch.uint8 or not tensor.is_contiguous():
-        raise LocalProtocolError("pattern target must be a contiguous uint8 tensor", field="tensor",
-                                 dtype=str(tensor.dtype))
-    return tensor.view(-1)
-
-
-def fill_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, block: int) -> torch.Tensor:
-    """Fill a contiguous uint8 ``tensor`` in place with the pattern of (request, writer, block).
-
-    Each byte depends on its offset and on all three ids, so a block written to the wrong slot, by
-    the wrong writer or shifted fails ``verify_pattern``. Returns ``tensor``.
-    """
-    flat = _check_pattern_target(tensor)
-    seeds = _pattern_seed(request_id, writer, block)
-    for start in range(0, flat.numel(), _CHUNK_BYTES):
-        count = min(_CHUNK_BYTES, flat.numel() - start)
-        flat[start : start + count] = _pattern_chunk(start, count, seeds, flat.device)
-    return tensor
-
-
-def verify_pattern(tensor: torch.Tensor, request_id: int | str, writer: int, block: int) -> bool:
-    """True if ``tensor`` holds exactly ``fill_pattern``'s bytes for these ids (no scratch copy)."""
-    flat = _check_pattern_target(tensor)
-    seeds = _pattern_seed(request_id, writer, block)
-    for start in range(0, flat.numel(), _CHUNK_BYTES):
-        count = min(_CHUNK_BYTES, flat.numel() - start)
-        if not torch.equal(flat[start : start + count], _pattern_chunk(start, count, seeds, flat.device)):
-            return False
-    return True
+    num_groups = codes.shape[-1] // GROUP_SIZE
+    groups = decode_e2m1(codes).reshape(*codes.shape[:-1], num_groups, GROUP_SIZE)
+    gs, rope_gs = q.group_scales()
+    group_gs = _group_scales(num_groups, q.rope_dim, gs, rope_gs, codes.device)
+    effective = q.scales.view(torch.float8_e4m3fn).float() * group_gs
+    return (groups * effective.unsqueeze(-1)).reshape(codes.shape)

@@ -10,7 +10,7 @@ from kvown import cli
 from kvown.apps import doctor
 from kvown.apps.doctor import CheckResult, CheckStatus
 
-EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "gpu"]
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "gpu"]
 
 
 @pytest.mark.timeout(120)
@@ -82,3 +82,26 @@ def test_low_mpi_thread_level_is_reported_with_the_fix(monkeypatch: pytest.Monke
 def test_cli_dispatches_doctor_with_its_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["doctor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dist", ["cupy-cuda12x", "cupy-cuda13x"])
+def test_cupy_line_names_the_installed_build(monkeypatch: pytest.MonkeyPatch, dist: str) -> None:
+    from kernels import cuda_loader
+
+    monkeypatch.setattr(cuda_loader, "installed_cupy", lambda: (dist, "14.2.0"))
+    result = doctor.check_cupy()
+    assert result.status is CheckStatus.OK and result.detail == f"{dist} 14.2.0" and not result.required
+    monkeypatch.setattr(cuda_loader, "installed_cupy", lambda: None)
+    assert doctor.check_cupy().status is CheckStatus.ABSENT
+
+
+@pytest.mark.timeout(60)
+def test_nvrtc_and_host_extension_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import nvrtc
+
+    result = doctor.check_nvrtc()
+    assert result.status is CheckStatus.OK and "compiles kvown's kernels" in result.detail  # pinned wheel
+    assert doctor.check_host_extension().status is CheckStatus.OK  # built by `make setup`
+    monkeypatch.setattr(nvrtc, "find_nvrtc", lambda: None)
+    assert doctor.check_nvrtc().status is CheckStatus.ABSENT

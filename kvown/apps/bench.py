@@ -34,6 +34,7 @@ SCRIPTS: dict[str, tuple[str, int | None, str]] = {
     "fence": ("bench_fence.py", None, "cancellation fence: bytes per fenced id at 1M ids, lookup time vs a dict"),
     "control": ("bench_control.py", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
     "failstop": ("bench_failstop.py", None, "deadline -> world dead (MPI_Abort propagation)"),
+    "kernels": ("bench_kernels.py", None, "NVFP4 quantize/dequantize and checksum vs torch's copy bandwidth"),
 }
 
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("name", nargs="?", default="all", choices=["all", *sorted(SCRIPTS)], metavar="NAME",
-                    help="transfer | fence | control | failstop | all (default: all, JSON + PNG per benchmark "
+                    help="transfer | fence | control | failstop | kernels | all (default: all, JSON + PNG per benchmark "
                          "in the current directory or in the --json directory)")
     ap.add_argument("--json", default=None, help="write the results here (passed to the script)")
     ap.add_argument("--plot", default=None, help="write a PNG here (passed to the script)")

@@ -1,7 +1,8 @@
 """``kvown doctor``: what this machine offers, one line per part.
 
-Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy and GPU that a kvown job would use, and
-reporting each as OK, a PROBLEM with its fix, or ABSENT (an optional part that is not here).
+Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy, NVRTC, the kernels' host test build and
+the GPU that a kvown job would use, and reporting each as OK, a PROBLEM with its fix, or ABSENT (an
+optional part that is not here).
 
 Rules:
   1. A probe never raises out of ``run_checks``: any exception becomes a PROBLEM line naming it.
@@ -10,6 +11,8 @@ Rules:
      (``MPI4PY_RC_THREAD_LEVEL`` and friends).
   3. The NIXL probe creates a UCX agent with ``enable_prog_thread=False``, the configuration kvown
      uses, and drops it. NIXL's own INFO log lines (which it sends to stdout) are muted meanwhile.
+  4. The CuPy probe names the installed build (cupy-cuda12x or cupy-cuda13x) from package metadata,
+     without importing CuPy; the NVRTC probe compiles kvown's kernels to PTX (no GPU needed).
 
 Invariants:
   1. ``main`` returns 0 exactly when every required check is OK.
@@ -148,13 +151,41 @@ def check_mpirun() -> CheckResult:
 
 
 def check_cupy() -> CheckResult:
-    try:
-        cupy = importlib.import_module("cupy")
-    except ModuleNotFoundError:
+    from kernels.cuda_loader import installed_cupy
+
+    found = installed_cupy()
+    if found is None:
         return CheckResult(
-            "cupy", CheckStatus.ABSENT, False, "not installed (optional)", "pip install 'kvown[gpu]' for GPU kernels"
+            "cupy", CheckStatus.ABSENT, False, "not installed (optional: GPU kernels fall back to torch)",
+            "pip install 'kvown[gpu]' (CUDA 12) or 'kvown[gpu-cu13]' (CUDA 13)",
         )
-    return _ok("cupy", str(cupy.__version__), required=False)
+    dist, version = found
+    return _ok("cupy", f"{dist} {version}", required=False)
+
+
+def check_nvrtc() -> CheckResult:
+    from kernels import cuda_loader
+    from kernels.nvrtc import find_nvrtc
+
+    nvrtc = find_nvrtc()
+    if nvrtc is None:
+        return CheckResult("nvrtc", CheckStatus.ABSENT, False, "no libnvrtc found (optional)",
+                           "pip install nvidia-cuda-nvrtc-cu12 (or a CuPy build, which brings its own)")
+    major, minor = nvrtc.version
+    arch = max(a for a in nvrtc.supported_archs() if a <= 90)
+    nvrtc.compile_ptx(cuda_loader.kernel_source(), "kv_kernels.cu",
+                      (*cuda_loader.NVRTC_OPTIONS, f"--gpu-architecture=compute_{arch}"))
+    return _ok("nvrtc", f"{major}.{minor} compiles kvown's kernels to PTX (compute_{arch}) ({nvrtc.path})",
+               required=False)
+
+
+def check_host_extension() -> CheckResult:
+    try:
+        module = importlib.import_module("kernels._kv_host")
+    except ImportError:
+        return CheckResult("hostext", CheckStatus.ABSENT, False, "kernels._kv_host not built (tests need it)",
+                           "pip install --no-deps -e . (or make setup) builds it")
+    return _ok("hostext", f"kernels._kv_host built ({module.__file__})", required=False)
 
 
 def check_gpu() -> CheckResult:
@@ -177,6 +208,8 @@ CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
     ("mpi", True, check_mpi),
     ("mpirun", True, check_mpirun),
     ("cupy", False, check_cupy),
+    ("nvrtc", False, check_nvrtc),
+    ("hostext", False, check_host_extension),
     ("gpu", False, check_gpu),
 ]
 

@@ -4,6 +4,14 @@ Owns: ``KVLayout`` (the shape of one rank's KV pool) and ``Plane`` (one kind of 
 an MLA latent, NVFP4 packed values or their scales). Standard K/V, MLA and NVFP4 differ only in their
 planes, which are data: there is no separate code path per format.
 
+NVFP4 scales live in one of two places, as real engines put them (``scale_layout``):
+  * ``"inline"`` (vLLM's way): scales are planes of the same pool, each right after the values it
+    scales: per (head, layer) ``k_values, k_scales, v_values, v_scales``. One pool, one range per block.
+  * ``"separate"`` (TensorRT-LLM's KEY / VALUE / KEY_BLOCK_SCALE / VALUE_BLOCK_SCALE pools): this
+    layout's blocks hold only ``k_values, v_values``; the scales live in a second pool,
+    ``scale_pool()``, with the same number of blocks: block b's scales are block b there. A transfer
+    of block b moves block b of both pools.
+
 Memory order (one choice, used everywhere):
 
     pool  = block[0] block[1] ... block[num_blocks - 1]                   (blocks outermost)
@@ -27,6 +35,8 @@ Rules:
   2. ``geometry_digest`` covers everything that decides where a byte of a block lives (not
      ``num_blocks``: pools of different capacity exchange blocks of the same geometry).
   3. Offsets returned here are byte offsets from the start of the pool.
+  4. ``scale_layout`` is part of the digest: peers that put NVFP4 scales in different places never
+     agree on a geometry.
 
 Invariants:
   1. ``block_nbytes == num_kv_heads * head_nbytes`` and
@@ -56,6 +66,8 @@ DTYPE_NBYTES: dict[str, int] = {
 }
 
 NVFP4_GROUP_SIZE = 16  # values that share one scale
+SCALE_LAYOUTS = ("inline", "separate")  # where NVFP4 scales live (module header)
+_SCALE_POOL = "scale-pool"  # scale_layout of the companion pool of a "separate" layout
 LAYOUT_ORDER = "block>head>layer>plane>token"  # part of the digest: a change of order changes it
 
 
@@ -88,6 +100,8 @@ class KVLayout:
     head_dim: int
     dtype: str  # the model's KV dtype name (what the planes encode)
     planes: tuple[Plane, ...]
+    scale_layout: str = ""  # NVFP4 only: "inline", "separate", or "scale-pool" (a separate layout's scales)
+    scale_planes: tuple[Plane, ...] = ()  # "separate" only: the planes of scale_pool()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_blocks", "tokens_per_block", "num_kv_heads", "head_dim"):
@@ -99,10 +113,16 @@ class KVLayout:
         names = [plane.name for plane in self.planes]
         if len(set(names)) != len(names):
             raise ConfigError("plane names must be unique", field="planes", value=names)
-        for plane in self.planes:
+        for plane in (*self.planes, *self.scale_planes):
             if plane.dtype not in DTYPE_NBYTES:
                 raise ConfigError("unknown plane dtype", field="planes", plane=plane.name, value=plane.dtype)
             _require_positive_int(plane.elements_per_token, "planes")
+        if self.scale_layout not in ("", *SCALE_LAYOUTS, _SCALE_POOL):
+            raise ConfigError("unknown scale layout", field="scale_layout", value=self.scale_layout,
+                              fix=f"use one of {SCALE_LAYOUTS}")
+        if (self.scale_layout == "separate") != bool(self.scale_planes):
+            raise ConfigError("scale_planes are given exactly when scale_layout is 'separate'", field="scale_planes",
+                              scale_layout=self.scale_layout)
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -129,22 +149,57 @@ class KVLayout:
 
     @classmethod
     def nvfp4(
-        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int
+        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+        scale_layout: str = "inline",
     ) -> KVLayout:
-        """K and V as NVFP4: E2M1 values packed two per byte plus one FP8 (E4M3) scale per 16 values."""
+        """K and V as NVFP4: E2M1 values packed two per byte plus one FP8 (E4M3) scale per 16 values.
+
+        ``scale_layout`` says where the scales live: ``"inline"`` or ``"separate"`` (module header).
+        """
+        return cls._nvfp4(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, ("k", "v"), scale_layout)
+
+    @classmethod
+    def nvfp4_mla(
+        cls, *, num_layers: int, num_blocks: int, tokens_per_block: int, latent_dim: int = 576,
+        scale_layout: str = "inline",
+    ) -> KVLayout:
+        """The MLA latent (e.g. 512 compressed + 64 rope) as NVFP4, one head: ``latent_values`` and
+        ``latent_scales``. The rope part may use its own global scale (``kernels.ops.quantize(rope_dim=)``);
+        global scales travel out of band, so they are not part of the geometry."""
+        return cls._nvfp4(num_layers, num_blocks, tokens_per_block, 1, latent_dim, ("latent",), scale_layout)
+
+    @classmethod
+    def _nvfp4(
+        cls, num_layers: int, num_blocks: int, tokens_per_block: int, num_kv_heads: int, head_dim: int,
+        names: tuple[str, ...], scale_layout: str,
+    ) -> KVLayout:
         _require_positive_int(head_dim, "head_dim")
         if head_dim % NVFP4_GROUP_SIZE:
             raise ConfigError(
                 "NVFP4 needs head_dim divisible by the scale group size", field="head_dim", value=head_dim,
                 group_size=NVFP4_GROUP_SIZE,
             )
-        planes = (
-            Plane("k_values", "uint8", head_dim // 2),
-            Plane("k_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE),
-            Plane("v_values", "uint8", head_dim // 2),
-            Plane("v_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE),
-        )
-        return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", planes)
+        if scale_layout not in SCALE_LAYOUTS:
+            raise ConfigError("unknown scale layout", field="scale_layout", value=scale_layout,
+                              fix=f"use one of {SCALE_LAYOUTS}")
+        values = [Plane(f"{name}_values", "uint8", head_dim // 2) for name in names]
+        scales = [Plane(f"{name}_scales", "float8_e4m3fn", head_dim // NVFP4_GROUP_SIZE) for name in names]
+        if scale_layout == "inline":
+            planes = tuple(plane for pair in zip(values, scales, strict=True) for plane in pair)
+            return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", planes, "inline")
+        return cls(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim, "uint8", tuple(values),
+                   "separate", tuple(scales))
+
+    def scale_pool(self) -> KVLayout:
+        """The layout of the pool that holds a ``"separate"`` layout's scales (same blocks and heads).
+
+        Block b of this layout's pool and block b of the scale pool belong together.
+        """
+        if self.scale_layout != "separate":
+            raise ConfigError("only a 'separate' NVFP4 layout has a scale pool", field="scale_layout",
+                              value=self.scale_layout)
+        return dataclasses.replace(self, dtype="float8_e4m3fn", planes=self.scale_planes, scale_layout=_SCALE_POOL,
+                                   scale_planes=())
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -160,6 +215,28 @@ class KVLayout:
     @property
     def pool_nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
+
+    @property
+    def transfer_block_nbytes(self) -> int:
+        """Bytes that moving one block moves: ``block_nbytes`` plus the scale pool's block, if any."""
+        return self.block_nbytes + (self.scale_pool().block_nbytes if self.scale_planes else 0)
+
+    def plane_geometry(self, plane_name: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shape, strides, offset) in bytes of one plane across the pool, for ``as_strided``.
+
+        Shape is (num_blocks, num_kv_heads, num_layers, tokens_per_block, nbytes per token); the last
+        dimension is contiguous. ``KVPool.plane_view`` applies it.
+        """
+        offset = 0
+        for plane in self.planes:
+            if plane.name == plane_name:
+                layer_nbytes = self.head_nbytes // self.num_layers
+                shape = (self.num_blocks, self.num_kv_heads, self.num_layers, self.tokens_per_block,
+                         plane.nbytes_per_token)
+                strides = (self.block_nbytes, self.head_nbytes, layer_nbytes, plane.nbytes_per_token, 1)
+                return shape, strides, offset
+            offset += self.tokens_per_block * plane.nbytes_per_token
+        raise ConfigError("no such plane", field="plane_name", value=plane_name, planes=[p.name for p in self.planes])
 
     def plane_block_nbytes(self, plane_name: str) -> int:
         """Bytes of one plane in one block (all heads and layers)."""
@@ -184,6 +261,9 @@ class KVLayout:
             "dtype": self.dtype,
             "planes": [[plane.name, plane.dtype, plane.elements_per_token] for plane in self.planes],
         }
+        if self.scale_layout:  # rule 4 (absent for non-NVFP4 layouts, whose digests stay as they were)
+            description["scale_layout"] = self.scale_layout
+            description["scale_planes"] = [[p.name, p.dtype, p.elements_per_token] for p in self.scale_planes]
         canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 

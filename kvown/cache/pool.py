@@ -106,6 +106,16 @@ class KVPool:
         start = block * self._block_nbytes
         return self.tensor[start : start + self._block_nbytes]
 
+    def plane_view(self, plane_name: str) -> torch.Tensor:
+        """One plane across the pool as a strided uint8 view (no copy), shape (num_blocks, num_kv_heads,
+        num_layers, tokens_per_block, nbytes per token); index it by block, e.g. ``[block_ids]``.
+
+        For NVFP4 planes this is what ``kernels.ops.quantize(out=...)`` writes into and
+        ``dequantize`` reads, whichever scale layout the pool has. Ownership: as ``block_view``.
+        """
+        shape, strides, offset = self.layout.plane_geometry(plane_name)
+        return self.tensor.as_strided(shape, strides, self.tensor.storage_offset() + offset)
+
     # ---- state changes ------------------------------------------------------------------------
 
     def allocate(self, num_blocks: int, owner: Hashable) -> tuple[int, ...]:

@@ -136,3 +136,81 @@ def test_geometry_digest_ignores_capacity_but_not_geometry() -> None:
         assert small_standard(**change).geometry_digest() != base.geometry_digest(), change
     nvfp4 = KVLayout.nvfp4(num_layers=3, num_blocks=10, tokens_per_block=4, num_kv_heads=8, head_dim=16)
     assert nvfp4.geometry_digest() != base.geometry_digest()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("scale_layout", ["inline", "separate"])
+def test_nvfp4_scale_layouts_hold_the_same_bytes_in_different_places(scale_layout: str) -> None:
+    layout = KVLayout.nvfp4(num_layers=2, num_blocks=4, tokens_per_block=16, num_kv_heads=4, head_dim=128,
+                            scale_layout=scale_layout)
+    assert layout.scale_layout == scale_layout
+    values_nbytes = 4 * 2 * 16 * 64 * 2  # heads * layers * tokens * (128 / 2) * (K and V)
+    scales_nbytes = 4 * 2 * 16 * 8 * 2  # one E4M3 per 16 values
+    if scale_layout == "inline":
+        assert [p.name for p in layout.planes] == ["k_values", "k_scales", "v_values", "v_scales"]
+        assert layout.block_nbytes == values_nbytes + scales_nbytes
+        with pytest.raises(ConfigError) as raised:
+            layout.scale_pool()
+        assert raised.value.fields["field"] == "scale_layout"
+    else:
+        assert [p.name for p in layout.planes] == ["k_values", "v_values"]
+        scales = layout.scale_pool()
+        assert [p.name for p in scales.planes] == ["k_scales", "v_scales"]
+        assert layout.block_nbytes == values_nbytes and scales.block_nbytes == scales_nbytes
+        assert scales.num_blocks == layout.num_blocks and scales.num_kv_heads == layout.num_kv_heads
+        # A writer holding half the heads has half of both pools.
+        half = layout.slice_layout(2)
+        assert half.scale_pool().block_nbytes == scales.block_nbytes // 2
+    assert layout.transfer_block_nbytes == values_nbytes + scales_nbytes
+
+
+@pytest.mark.timeout(10)
+def test_nvfp4_scale_layout_is_part_of_the_digest() -> None:
+    shape = dict(num_layers=3, num_blocks=10, tokens_per_block=4, num_kv_heads=8, head_dim=16)
+    inline = KVLayout.nvfp4(**shape)
+    separate = KVLayout.nvfp4(**shape, scale_layout="separate")
+    digests = {inline.geometry_digest(), separate.geometry_digest(), separate.scale_pool().geometry_digest(),
+               small_standard().geometry_digest()}
+    assert len(digests) == 4
+    assert inline.geometry_digest() == KVLayout.nvfp4(**{**shape, "num_blocks": 99}).geometry_digest()
+    with pytest.raises(ConfigError) as raised:
+        KVLayout.nvfp4(**shape, scale_layout="interleaved")
+    assert raised.value.fields["field"] == "scale_layout"
+    with pytest.raises(ConfigError) as raised:
+        KVLayout(1, 1, 1, 1, 16, "uint8", (Plane("k_values", "uint8", 8),), "separate")
+    assert raised.value.fields["field"] == "scale_planes"
+
+
+@pytest.mark.timeout(10)
+def test_nvfp4_mla_latent_is_one_head_of_values_and_scales() -> None:
+    layout = KVLayout.nvfp4_mla(num_layers=2, num_blocks=3, tokens_per_block=8)
+    assert [(p.name, p.nbytes_per_token) for p in layout.planes] == [("latent_values", 288), ("latent_scales", 36)]
+    assert layout.num_kv_heads == 1 and layout.head_dim == 576
+    separate = KVLayout.nvfp4_mla(num_layers=2, num_blocks=3, tokens_per_block=8, scale_layout="separate")
+    assert separate.block_nbytes + separate.scale_pool().block_nbytes == layout.block_nbytes
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("scale_layout", ["inline", "separate"])
+def test_plane_views_cover_each_block_exactly_once(scale_layout: str) -> None:
+    import torch
+
+    from kvown.cache import KVPool
+
+    layout = KVLayout.nvfp4(num_layers=3, num_blocks=5, tokens_per_block=4, num_kv_heads=2, head_dim=32,
+                            scale_layout=scale_layout)
+    pools = [KVPool(layout)] + ([KVPool(layout.scale_pool())] if scale_layout == "separate" else [])
+    for pool in pools:
+        for number, plane in enumerate(pool.layout.planes, start=1):
+            view = pool.plane_view(plane.name)
+            assert view.shape == (5, 2, 3, 4, plane.nbytes_per_token)
+            view += number  # every byte of the plane, once
+        counts = torch.bincount(pool.tensor.long(), minlength=len(pool.layout.planes) + 1)
+        # Every byte belongs to exactly one plane, and each plane has its expected size.
+        assert int(counts[0]) == 0
+        for number, plane in enumerate(pool.layout.planes, start=1):
+            assert int(counts[number]) == pool.layout.plane_block_nbytes(plane.name) * 5
+        # Block 3 of a plane lies inside block 3's byte range.
+        view = pool.plane_view(pool.layout.planes[-1].name)[3]
+        start = view.data_ptr() - pool.base_addr
+        assert 3 * pool.layout.block_nbytes <= start < 4 * pool.layout.block_nbytes
