@@ -215,7 +215,7 @@ class RankRuntime:
         """Meet every rank at the exit barrier (bounded), then close; fail-stop the world if they don't come."""
         if self.closed:
             return
-        pending = self.executor.requested
+        pending = self.executor.requested or self.driver.fatal
         if pending is not None:  # a kill is under way: make sure it happens, from this (main) thread
             self.executor.request(pending)
             return
@@ -246,9 +246,9 @@ class RankRuntime:
 
         def crash_world(kind: type[BaseException], value: BaseException, tb: Any) -> None:
             previous(kind, value, tb)
-            if not self.closed:
-                self.executor.request(FailStop(FatalReason.RANK_CRASH, None,
-                                               f"uncaught exception in rank {self.rank}'s main thread: {value!r}"))
+            if not self.closed:  # a fail-stop the engine latched first is the cause: report that one
+                self.executor.request(self.driver.fatal or FailStop(
+                    FatalReason.RANK_CRASH, None, f"uncaught exception in rank {self.rank}'s main thread: {value!r}"))
 
         sys.excepthook = crash_world
 

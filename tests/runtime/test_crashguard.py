@@ -220,8 +220,8 @@ def test_watchdog_cancel_breaks_the_wait_at_once() -> None:
     t0 = time.monotonic()
     wd.cancel()
     wd.cancel()  # twice is fine
-    wd.join(2)
-    assert not wd.is_alive() and time.monotonic() - t0 < 1.0
+    wd.join(10)
+    assert not wd.is_alive() and time.monotonic() - t0 < 10  # the 30 s grace was not waited out
     assert kills.at == [] and not wd.killed
 
 
@@ -416,7 +416,7 @@ def test_cleanup_blocked_forever_is_killed_on_the_original_deadline() -> None:
     """Real threads: the cleanup never returns (until the test lets it go); the timer kills anyway."""
     kills = Kills()
     release = threading.Event()
-    guard = CrashGuard(kills, world_size=2, grace_s=0.2)
+    guard = CrashGuard(kills, world_size=2, grace_s=1.0)
     crashed_at: list[float] = []
 
     def loop(g: CrashGuard) -> None:
@@ -427,9 +427,9 @@ def test_cleanup_blocked_forever_is_killed_on_the_original_deadline() -> None:
         target=lambda: pytest.raises(ValueError, guard.run, loop, lambda: release.wait(8)), daemon=True
     )
     runner.start()
-    assert kills.event.wait(3)
+    assert kills.event.wait(6)
     late_s = kills.at[0] - crashed_at[0]
-    assert 0.2 <= late_s < 0.7
+    assert 1.0 <= late_s < 2.0  # on the original deadline, not crash + 2 x grace
     release.set()
     runner.join(3)
     assert len(kills.at) == 1 and guard.killed  # the inline handover did not kill a second time
