@@ -154,6 +154,8 @@ def run_world(launch: Launch, ranks: int, program: list[str], timeout_s: float, 
             _kill_group(proc)
         for t in readers:
             t.join(timeout=5)
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()  # type: ignore[union-attr]
     return WorldRun(proc.returncode, "".join(out_lines), "".join(err_lines), started, exit_ns, timed_out, found,
                     tagged, all_gone_ns)
 

@@ -1,0 +1,59 @@
+"""``kvown qualify --test-hosts 3``: the qualification suite across three namespace hosts, per layout.
+
+One rank per host, UCX over TCP between them. Every check of every scenario must be true, including
+the network checks (each pair of ranks on different hosts used tcp/eth0 and nothing else) and the
+fail-stop world (deadline -> every rank on every host gone). ~15 s per layout on a 2-core VM: the
+standard and NVFP4 layouts run in CI, MLA with the slow tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+from hostkit import ROOT
+
+from kvown.testing.hosts import unavailable_reason
+
+pytestmark = pytest.mark.multiproc
+EXPECTED_SCENARIOS = {"happy", "cancel_before_publication", "cancel_mid_transfer", "cancel_before_sender_session",
+                      "fan_in_one_writer_cancelled", "broadcast_publication", "context_first",
+                      "checksummed_transfer", "hostile_frames", "still_works_afterwards", "network",
+                      "fail_stop_across_hosts"}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["standard", "nvfp4", pytest.param("mla", marks=pytest.mark.slow)])
+def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"test hosts unavailable: {reason}")
+    out, junit = tmp_path / "q.json", tmp_path / "q.xml"
+    proc = subprocess.run([sys.executable, "-m", "kvown", "qualify", "--test-hosts", "3", "--layout", layout,
+                           "--json", str(out), "--junit-xml", str(junit)],
+                          capture_output=True, text=True, timeout=380, cwd=ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    checks = report["checks"]
+    assert report["passed"] is True
+    assert set(checks) == EXPECTED_SCENARIOS
+    failed = [f"{s}.{c}" for s, v in checks.items() for c, ok in v.items() if not ok]
+    assert failed == []
+    figures = report["figures"]
+    sc = figures["scenarios"]
+    assert len({r["host"] for r in sc["ranks"]}) == 3  # one rank per host
+    pairs = sc["ucx_pairs"]
+    assert pairs and all(p["cross_host"] and p["lanes"] == ["tcp/eth0"] and p["exact"] for p in pairs.values())
+    assert sc["verified_nbytes_checksum"] > 0
+    fs = figures["failstop"]
+    assert len(fs["hosts"]) == 3 and fs["returncode"] == 75
+    assert fs["deadline_to_all_ranks_gone_ms"] >= 0
+    # JUnit: one testcase per check, none failed
+    suite = ET.parse(junit).getroot().find("testsuite")
+    cases = suite.findall("testcase")
+    assert len(cases) == sum(len(v) for v in checks.values())
+    assert suite.get("failures") == "0" and not suite.findall("testcase/failure")
