@@ -27,7 +27,7 @@ import kvown
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvown.demo:main", "run the main job: context ranks write KV into generation ranks"),
     "bench": ("kvown.bench:main", "run the reproducible benchmarks (JSON + PNG output)"),
-    "qualify": ("kvown.qualify:main", "run every ownership scenario in a real 3-rank world (layout, device, hosts)"),
+    "qualify": ("kvown.qualify:main", "qualify a deployment: scenarios, UCX transports, fail-stop"),
     "doctor": ("kvown.doctor:main", "print what this machine offers, one line per part"),
     "inspect": ("kvown.runtime.flight:inspect_main", "read a flight-recorder dump"),
 }

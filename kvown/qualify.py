@@ -91,8 +91,15 @@ def _pid_alive(pid: int, start_ticks: int | None) -> bool:
     return fields[0] != b"Z" and (start_ticks is None or int(fields[19]) == start_ticks)
 
 
-def run_world(launch: Launch, ranks: int, program: list[str], timeout_s: float, *, watch_pids: bool = False,
-              extra_env: dict[str, str] | None = None) -> WorldRun:
+def run_world(
+    launch: Launch,
+    ranks: int,
+    program: list[str],
+    timeout_s: float,
+    *,
+    watch_pids: bool = False,
+    extra_env: dict[str, str] | None = None,
+) -> WorldRun:
     """Run one world to its end; read its ``KVOWN-*`` lines while it runs; with ``watch_pids``, poll the
     listed rank PIDs every 2 ms until all are gone. Bounded by ``timeout_s`` (rule 1).
 
@@ -107,8 +114,15 @@ def run_world(launch: Launch, ranks: int, program: list[str], timeout_s: float, 
     found: dict[int, dict] = {}
     tagged: dict[str, list[dict]] = {}
     started = time.monotonic_ns()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        errors="replace",
+    )
 
     def read_out() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -139,10 +153,10 @@ def run_world(launch: Launch, ranks: int, program: list[str], timeout_s: float, 
             now = time.monotonic_ns()
             if exit_ns is None and proc.poll() is not None:
                 exit_ns = now
-            if watch_pids and all_gone_ns is None and found:
+            every_rank_listed = len(found) == ranks or (exit_ns is not None and found)
+            if watch_pids and all_gone_ns is None and every_rank_listed:
                 if not any(_pid_alive(int(r["pid"]), r.get("start_ticks")) for r in found.values()):
-                    if len(found) == ranks or exit_ns is not None:
-                        all_gone_ns = now
+                    all_gone_ns = now
             if exit_ns is not None and (not watch_pids or all_gone_ns is not None or not found):
                 break
             if time.monotonic() > end:
@@ -156,8 +170,17 @@ def run_world(launch: Launch, ranks: int, program: list[str], timeout_s: float, 
             t.join(timeout=5)
         for stream in (proc.stdout, proc.stderr):
             stream.close()  # type: ignore[union-attr]
-    return WorldRun(proc.returncode, "".join(out_lines), "".join(err_lines), started, exit_ns, timed_out, found,
-                    tagged, all_gone_ns)
+    return WorldRun(
+        proc.returncode,
+        "".join(out_lines),
+        "".join(err_lines),
+        started,
+        exit_ns,
+        timed_out,
+        found,
+        tagged,
+        all_gone_ns,
+    )
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -181,21 +204,35 @@ def run_scenarios(launch: Launch, layout: str, device: str, timeout_s: float) ->
     from kvown.testing import ucxproto
 
     t0 = time.monotonic()
-    run = run_world(launch, 3, [sys.executable, "-m", "kvown.qualify_world", "--layout", layout, "--device", device],
-                    timeout_s, extra_env={"UCX_PROTO_INFO": "y"})
+    run = run_world(
+        launch,
+        3,
+        [sys.executable, "-m", "kvown.qualify_world", "--layout", layout, "--device", device],
+        timeout_s,
+        extra_env={"UCX_PROTO_INFO": "y"},
+    )
     elapsed = time.monotonic() - t0
     result = (run.tagged.get("KVOWN-RESULT") or [None])[-1]
     if run.timed_out or run.returncode != 0 or result is None:
-        why = "timed out" if run.timed_out else f"exit code {run.returncode}" if run.returncode else "no result line"
+        why = (
+            "timed out"
+            if run.timed_out
+            else f"exit code {run.returncode}"
+            if run.returncode
+            else "no result line"
+        )
         tail = (run.stdout[-2000:] + run.stderr[-4000:]).strip()
-        return {"scenario_world": {f"finished ({why})": False}}, {"scenario_world_s": round(elapsed, 2),
-                                                                   "scenario_world_tail": tail}
+        return {"scenario_world": {f"finished ({why})": False}}, {
+            "scenario_world_s": round(elapsed, 2),
+            "scenario_world_tail": tail,
+        }
     checks: dict[str, dict[str, bool]] = result["checks"]
     figures: dict = dict(result["figures"])
     figures["scenario_world_s"] = round(elapsed, 2)
     parsed = ucxproto.parse(run.stdout)
-    pairs = ucxproto.pair_transports(parsed, figures["ranks"], figures["traffic_pairs"],
-                                     require_device=launch.strict_device)
+    pairs = ucxproto.pair_transports(
+        parsed, figures["ranks"], figures["traffic_pairs"], require_device=launch.strict_device
+    )
     figures["ucx_pairs"] = pairs
     figures["ucx_lanes_seen"] = ucxproto.all_lanes(parsed)
     hosts = sorted({r["host"] for r in figures["ranks"]})
@@ -213,29 +250,51 @@ def run_scenarios(launch: Launch, layout: str, device: str, timeout_s: float) ->
     return checks, figures
 
 
-def run_failstop(launch: Launch, ranks: int, device: str, timeout_s: float, bound_s: float,
-                 grace_s: float = 0.5) -> tuple[dict[str, bool], dict]:
+def run_failstop(
+    launch: Launch, ranks: int, device: str, timeout_s: float, bound_s: float, grace_s: float = 0.5
+) -> tuple[dict[str, bool], dict]:
     """The fail-stop world: (checks, figures). See ``kvown.qualify_failstop``."""
     flight_dir = tempfile.mkdtemp(prefix="kvown-qualify-flight-")
-    run = run_world(launch, ranks, [sys.executable, "-m", "kvown.qualify_failstop", "--device", device,
-                                    "--timeout-s", str(grace_s), "--grace-s", str(grace_s)],
-                    timeout_s, watch_pids=launch.sees_pids,
-                    extra_env={"KVOWN_FLIGHT_DIR": launch.env.get("KVOWN_FLIGHT_DIR", flight_dir)})
+    run = run_world(
+        launch,
+        ranks,
+        [
+            sys.executable,
+            "-m",
+            "kvown.qualify_failstop",
+            "--device",
+            device,
+            "--timeout-s",
+            str(grace_s),
+            "--grace-s",
+            str(grace_s),
+        ],
+        timeout_s,
+        watch_pids=launch.sees_pids,
+        extra_env={"KVOWN_FLIGHT_DIR": launch.env.get("KVOWN_FLIGHT_DIR", flight_dir)},
+    )
     deadline = (run.tagged.get("KVOWN-DEADLINE") or [{}])[-1]
-    figures: dict = {"ranks": ranks, "hosts": sorted({r["host"] for r in run.ranks.values()}),
-                     "returncode": run.returncode, "flight_dir": flight_dir}
+    figures: dict = {
+        "ranks": ranks,
+        "hosts": sorted({r["host"] for r in run.ranks.values()}),
+        "returncode": run.returncode,
+        "flight_dir": flight_dir,
+    }
     checks: dict[str, bool] = {
         "every_rank_started": len(run.ranks) == ranks,
         "deadline_reported": bool(deadline.get("deadline_mono_ns")),
         "world_ended_in_time": not run.timed_out and run.exit_ns is not None,
         "exit_code_is_deadline": run.returncode == FAILSTOP_EXIT_CODE,
-        "failstop_names_the_request": f"reason=deadline request_id={deadline.get('request_id')}" in run.stderr,
+        "failstop_names_the_request": f"reason=deadline request_id={deadline.get('request_id')}"
+        in run.stderr,
     }
     if deadline.get("deadline_mono_ns") and run.exit_ns is not None:
         if launch.sees_pids:  # one machine: the ranks' monotonic clock is ours
             exit_ms = (run.exit_ns - deadline["deadline_mono_ns"]) / 1e6
         else:  # other hosts: wall clocks (as good as their synchronisation)
-            exit_ms = (run.exit_ns + (time.time_ns() - time.monotonic_ns()) - deadline["deadline_wall_ns"]) / 1e6
+            exit_ms = (
+                run.exit_ns + (time.time_ns() - time.monotonic_ns()) - deadline["deadline_wall_ns"]
+            ) / 1e6
         figures["deadline_to_launcher_exit_ms"] = round(exit_ms, 1)
         gone_ms = exit_ms  # the launcher exits only after every daemon reported its ranks gone
         if launch.sees_pids:
@@ -245,7 +304,9 @@ def run_failstop(launch: Launch, ranks: int, device: str, timeout_s: float, boun
                 figures["deadline_to_all_ranks_gone_ms"] = round(gone_ms, 1)
         checks["not_killed_before_the_deadline"] = gone_ms >= 0
         checks[f"world_gone_within_{bound_s:g}s_of_the_deadline"] = gone_ms < bound_s * 1000
-        figures["clock"] = "this machine's monotonic clock" if launch.sees_pids else "wall clocks of the hosts"
+        figures["clock"] = (
+            "this machine's monotonic clock" if launch.sees_pids else "wall clocks of the hosts"
+        )
     else:
         checks["world_gone_after_the_deadline"] = False
         figures["tail"] = (run.stdout[-1500:] + run.stderr[-3000:]).strip()
@@ -258,35 +319,55 @@ def run_failstop(launch: Launch, ranks: int, device: str, timeout_s: float, boun
 def print_table(checks: dict[str, dict[str, bool]], figures: dict, out=sys.stdout) -> None:
     for name, results in checks.items():
         failed = [k for k, v in results.items() if not v]
-        print(f"  {'PASS' if not failed else 'FAIL'}  {name:<30} {len(results):>2} checks"
-              + (f"  failed: {', '.join(failed)}" if failed else ""), file=out)
+        print(
+            f"  {'PASS' if not failed else 'FAIL'}  {name:<30} {len(results):>2} checks"
+            + (f"  failed: {', '.join(failed)}" if failed else ""),
+            file=out,
+        )
     sc = figures.get("scenarios", {})
     fs = figures.get("failstop", {})
     print("  figures:", file=out)
     if sc.get("ranks"):
-        print("    ranks              " + ", ".join(f"{r['rank']}@{r['host']}" for r in sc["ranks"]), file=out)
+        print(
+            "    ranks              " + ", ".join(f"{r['rank']}@{r['host']}" for r in sc["ranks"]), file=out
+        )
     if sc.get("connect_s"):
-        print(f"    start-up (connect)  max {max(sc['connect_s']):.2f} s  per rank {sc['connect_s']}"
-              f"  (NIXL agents, registration, metadata allgather + load)", file=out)
+        print(
+            f"    start-up (connect)  max {max(sc['connect_s']):.2f} s  per rank {sc['connect_s']}"
+            f"  (NIXL agents, registration, metadata allgather + load)",
+            file=out,
+        )
     for key, pair in sc.get("ucx_pairs", {}).items():
         where = f"{pair.get('from_host')} -> {pair.get('to_host')}"
         lanes = ", ".join(pair.get("lanes", [])) or "none seen"
         note = "" if pair.get("exact", True) else " (candidates)"
-        print(f"    UCX {key:<6} {where:<40} {lanes}{note}{'' if pair.get('ok') else '  <- ' + pair.get('why', '')}",
-              file=out)
+        verdict = "" if pair.get("ok") else "  <- " + pair.get("why", "")
+        print(
+            f"    UCX {key:<6} {where:<40} {lanes}{note}{verdict}",
+            file=out,
+        )
     if "verified_nbytes_checksum" in sc:
-        print(f"    bytes verified      {sc['verified_nbytes_checksum']} by checksum, "
-              f"{sc.get('verified_nbytes_pattern', 0)} by pattern", file=out)
+        print(
+            f"    bytes verified      {sc['verified_nbytes_checksum']} by checksum, "
+            f"{sc.get('verified_nbytes_pattern', 0)} by pattern",
+            file=out,
+        )
     if fs:
         gone = fs.get("deadline_to_all_ranks_gone_ms")
-        print(f"    fail-stop           deadline -> every rank gone "
-              f"{'%.0f ms' % gone if gone is not None else 'n/a'}, -> launcher exit "
-              f"{fs.get('deadline_to_launcher_exit_ms', 'n/a')} ms  ({fs.get('ranks')} ranks on "
-              f"{len(fs.get('hosts', []))} hosts)", file=out)
+        print(
+            f"    fail-stop           deadline -> every rank gone "
+            f"{'%.0f ms' % gone if gone is not None else 'n/a'}, -> launcher exit "
+            f"{fs.get('deadline_to_launcher_exit_ms', 'n/a')} ms  ({fs.get('ranks')} ranks on "
+            f"{len(fs.get('hosts', []))} hosts)",
+            file=out,
+        )
     if "durations_s" in figures:
         d = figures["durations_s"]
-        print(f"    took                {d.get('total', 0):.1f} s (scenarios {d.get('scenarios', 0):.1f} s, "
-              f"fail-stop world {d.get('failstop', 0):.1f} s)", file=out)
+        print(
+            f"    took                {d.get('total', 0):.1f} s (scenarios {d.get('scenarios', 0):.1f} s, "
+            f"fail-stop world {d.get('failstop', 0):.1f} s)",
+            file=out,
+        )
 
 
 def write_junit(path: str, checks: dict[str, dict[str, bool]], figures: dict, suite: str) -> None:
@@ -294,8 +375,16 @@ def write_junit(path: str, checks: dict[str, dict[str, bool]], figures: dict, su
     total = sum(len(v) for v in checks.values())
     failures = sum(1 for v in checks.values() for ok in v.values() if not ok)
     root = ET.Element("testsuites", name="kvown qualify", tests=str(total), failures=str(failures))
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(total), failures=str(failures), errors="0",
-                       skipped="0", time=f"{figures.get('durations_s', {}).get('total', 0):.2f}")
+    ts = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite,
+        tests=str(total),
+        failures=str(failures),
+        errors="0",
+        skipped="0",
+        time=f"{figures.get('durations_s', {}).get('total', 0):.2f}",
+    )
     props = ET.SubElement(ts, "properties")
     for key, value in _flat_figures(figures).items():
         ET.SubElement(props, "property", name=key, value=str(value))
@@ -329,61 +418,116 @@ def _launch_for(args: argparse.Namespace, hosts_obj=None) -> Launch:
     forward += [k for k in os.environ if k.startswith("UCX_") and k not in forward]
     if hosts_obj is not None:
         env = hosts_obj.env(base_env)
-        return Launch(lambda n: hosts_obj.mpirun_command(n), env, forward, True, hosts_obj.n, "eth0",
-                      f"{hosts_obj.n} test hosts ({hosts_obj.subnet})")
+        return Launch(
+            lambda n: hosts_obj.mpirun_command(n),
+            env,
+            forward,
+            True,
+            hosts_obj.n,
+            "eth0",
+            f"{hosts_obj.n} test hosts ({hosts_obj.subnet})",
+        )
     if args.launcher:
         prefix = shlex.split(args.launcher)
         return Launch(lambda n: prefix, base_env, forward, False, args.expect_hosts or 2, None, args.launcher)
     if args.hosts:
         names = [h for h in args.hosts.split(",") if h]
         spec = ",".join(f"{h}:{args.slots}" for h in names)
-        return Launch(lambda n: mpirun_command(n) + ["--host", spec, "--map-by", "node"], base_env, forward,
-                      False, len(names), None, f"hosts {args.hosts}")
+        return Launch(
+            lambda n: mpirun_command(n) + ["--host", spec, "--map-by", "node"],
+            base_env,
+            forward,
+            False,
+            len(names),
+            None,
+            f"hosts {args.hosts}",
+        )
     if args.hostfile:
         hostfile = str(Path(args.hostfile).resolve())
-        n_hosts = len([ln for ln in Path(hostfile).read_text().splitlines() if ln.strip() and not ln.startswith("#")])
-        return Launch(lambda n: mpirun_command(n) + ["--hostfile", hostfile, "--map-by", "node"], base_env, forward,
-                      False, n_hosts, None, f"hostfile {args.hostfile}")
+        n_hosts = len(
+            [ln for ln in Path(hostfile).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        )
+        return Launch(
+            lambda n: mpirun_command(n) + ["--hostfile", hostfile, "--map-by", "node"],
+            base_env,
+            forward,
+            False,
+            n_hosts,
+            None,
+            f"hostfile {args.hostfile}",
+        )
     return Launch(mpirun_command, base_env, forward, True, 1, None, "this host")
 
 
 def qualify(args: argparse.Namespace, launch: Launch) -> tuple[dict, dict]:
     t0 = time.monotonic()
     checks, sc_figures = run_scenarios(launch, args.layout, args.device, args.timeout_s)
-    figures: dict = {"scenarios": sc_figures, "where": launch.where, "layout": args.layout, "device": args.device}
+    figures: dict = {
+        "scenarios": sc_figures,
+        "where": launch.where,
+        "layout": args.layout,
+        "device": args.device,
+    }
     t1 = time.monotonic()
     if not args.no_failstop:
         ranks = args.failstop_ranks or max(3, launch.hosts_wanted)
-        fs_checks, fs_figures = run_failstop(launch, ranks, args.device, min(args.timeout_s, 120.0), args.failstop_bound_s)
+        fs_checks, fs_figures = run_failstop(
+            launch, ranks, args.device, min(args.timeout_s, 120.0), args.failstop_bound_s
+        )
         checks["fail_stop_across_hosts"] = fs_checks
         figures["failstop"] = fs_figures
     t2 = time.monotonic()
-    figures["durations_s"] = {"scenarios": round(t1 - t0, 2), "failstop": round(t2 - t1, 2), "total": round(t2 - t0, 2)}
+    figures["durations_s"] = {
+        "scenarios": round(t1 - t0, 2),
+        "failstop": round(t2 - t1, 2),
+        "total": round(t2 - t0, 2),
+    }
     return checks, figures
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvown qualify", description=__doc__.splitlines()[0],
-                                 epilog="See docs/operations.md, 'Qualifying a cluster'.")
-    ap.add_argument("--layout", choices=LAYOUTS, default="standard", help="KV layout to qualify (default standard)")
+    ap = argparse.ArgumentParser(
+        prog="kvown qualify",
+        description=__doc__.splitlines()[0],
+        epilog="See docs/operations.md, 'Qualifying a cluster'.",
+    )
+    ap.add_argument(
+        "--layout", choices=LAYOUTS, default="standard", help="KV layout to qualify (default standard)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda (VRAM)")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="comma-separated hosts for mpirun --host (one rank per host)")
     where.add_argument("--hostfile", help="an Open MPI hostfile")
-    where.add_argument("--launcher", help="a launcher line that starts the ranks itself, e.g. "
-                                          "'srun --mpi=pmix -N3 -n3' (it must start 3 ranks)")
-    where.add_argument("--test-hosts", type=int, metavar="N", help="build N network-namespace hosts on this "
-                                                                   "machine and qualify across them (root)")
+    where.add_argument(
+        "--launcher",
+        help="a launcher line that starts the ranks itself, e.g. "
+        "'srun --mpi=pmix -N3 -n3' (it must start 3 ranks)",
+    )
+    where.add_argument(
+        "--test-hosts",
+        type=int,
+        metavar="N",
+        help="build N network-namespace hosts on this machine and qualify across them (root)",
+    )
     ap.add_argument("--slots", type=int, default=4, help="slots per host with --hosts (default 4)")
-    ap.add_argument("--expect-hosts", type=int, default=0, help="with --launcher: hosts the ranks should span")
+    ap.add_argument(
+        "--expect-hosts", type=int, default=0, help="with --launcher: hosts the ranks should span"
+    )
     ap.add_argument("--json", metavar="PATH", help="write every check (true/false) and the figures as JSON")
-    ap.add_argument("--junit-xml", metavar="PATH", help="write the checks as JUnit XML (one testcase per check)")
+    ap.add_argument(
+        "--junit-xml", metavar="PATH", help="write the checks as JUnit XML (one testcase per check)"
+    )
     ap.add_argument("--timeout-s", type=float, default=240.0, help="bound on each world (default 240)")
     ap.add_argument("--no-failstop", action="store_true", help="skip the fail-stop world")
-    ap.add_argument("--failstop-ranks", type=int, default=0, help="ranks of the fail-stop world (default: "
-                                                                  "max(3, hosts))")
-    ap.add_argument("--failstop-bound-s", type=float, default=2.0,
-                    help="the world must be gone this soon after the deadline (default 2 s; target < 1 s)")
+    ap.add_argument(
+        "--failstop-ranks", type=int, default=0, help="ranks of the fail-stop world (default: max(3, hosts))"
+    )
+    ap.add_argument(
+        "--failstop-bound-s",
+        type=float,
+        default=2.0,
+        help="the world must be gone this soon after the deadline (default 2 s; target < 1 s)",
+    )
     return ap
 
 

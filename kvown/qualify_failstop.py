@@ -41,7 +41,9 @@ def line(tag: str, **fields: object) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="kvown.qualify_failstop")
-    ap.add_argument("--timeout-s", type=float, default=0.5, help="transfer timeout (first half of the deadline)")
+    ap.add_argument(
+        "--timeout-s", type=float, default=0.5, help="transfer timeout (first half of the deadline)"
+    )
     ap.add_argument("--grace-s", type=float, default=0.5, help="drain grace (second half)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -55,11 +57,23 @@ def main() -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     if size < 2:
         raise SystemExit("kvown.qualify_failstop needs at least 2 ranks")
-    layout = KVLayout.standard(num_kv_heads=2, head_dim=64, dtype="bfloat16", num_layers=2, num_blocks=16,
-                               tokens_per_block=16)
-    rt = connect_mpi(comm, layout=layout, config=TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s),
-                     roles={"receiver"} if rank == 0 else {"sender"}, device=args.device)
-    line("KVOWN-RANK", rank=rank, host=socket.gethostname(), pid=os.getpid(), start_ticks=process_start_ticks(os.getpid()))
+    layout = KVLayout.standard(
+        num_kv_heads=2, head_dim=64, dtype="bfloat16", num_layers=2, num_blocks=16, tokens_per_block=16
+    )
+    rt = connect_mpi(
+        comm,
+        layout=layout,
+        config=TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s),
+        roles={"receiver"} if rank == 0 else {"sender"},
+        device=args.device,
+    )
+    line(
+        "KVOWN-RANK",
+        rank=rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        start_ticks=process_start_ticks(os.getpid()),
+    )
     comm.Barrier()
     end = time.monotonic() + MAX_LIFETIME_S
     if rank == FROZEN:
@@ -75,8 +89,12 @@ def main() -> None:
             deadline = rt.engine.statistics()["receiver"]["oldest_fail_stop_deadline_ns"]
             time.sleep(0.001)
         offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall clock, sampled together
-        line("KVOWN-DEADLINE", request_id=request_id, deadline_mono_ns=deadline,
-             deadline_wall_ns=None if deadline is None else deadline + offset_ns)
+        line(
+            "KVOWN-DEADLINE",
+            request_id=request_id,
+            deadline_mono_ns=deadline,
+            deadline_wall_ns=None if deadline is None else deadline + offset_ns,
+        )
     else:  # a bystander: in a barrier that never completes (rank 1 never joins)
         request = comm.Ibarrier()
         while not request.Test() and time.monotonic() < end:

@@ -7,9 +7,9 @@ faults (down, rate limit, netem where the kernel has it), and the teardown of al
 How it looks::
 
     root namespace:  mpirun  --  bridge kvwn<run>b 198.18.X.1/24
-                                   |-- veth -- namespace kvown-<run>-0  eth0 198.18.X.10  (host "kvown-<run>-0")
-                                   |-- veth -- namespace kvown-<run>-1  eth0 198.18.X.11
-                                   ...
+                         |-- veth -- namespace kvown-<run>-0  eth0 198.18.X.10  (host "kvown-<run>-0")
+                         |-- veth -- namespace kvown-<run>-1  eth0 198.18.X.11
+                         ...
 
 ``mpirun`` starts one PRRTE daemon per host through the launch agent (PRRTE's ``plm_ssh_agent``, in
 place of ssh), which runs the daemon inside the host's network namespace and a fresh UTS namespace
@@ -61,7 +61,7 @@ from kvown.launch import mpirun_command as _base_mpirun_command
 PREFIX_NS = "kvown-"  # namespace (and host) names: kvown-<run>-<i>
 PREFIX_LINK = "kvwn"  # interface names (15 characters at most): kvwn<run>b, kvwn<run><i>
 RANGE = ipaddress.ip_network("198.18.0.0/15")
-STATE_DIR = Path(os.environ.get("KVOWN_HOSTS_STATE_DIR", "/run/kvown-hosts"))
+STATE_DIR = Path("/run/kvown-hosts")  # one place for every run on the machine: the sweep reads it (H1)
 _NS_RE = re.compile(r"^kvown-([0-9a-f]{6})-\d+$")
 _LINK_RE = re.compile(r"^kvwn([0-9a-f]{6})")
 _CMD_TIMEOUT_S = 20.0
@@ -85,7 +85,9 @@ class Host:
     veth: str  # the root-namespace end, joined to the bridge; the namespace end is "eth0"
 
 
-def _run(cmd: Sequence[str], *, check: bool = True, timeout_s: float = _CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+def _run(
+    cmd: Sequence[str], *, check: bool = True, timeout_s: float = _CMD_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -178,7 +180,9 @@ def _teardown(run_id: str, namespaces: Iterable[str], links: Iterable[str], run_
         _run(["ip", "link", "del", link], check=False)
     end = time.monotonic() + 10.0  # the kernel removes a namespace's veth ends asynchronously (H3)
     while time.monotonic() < end:
-        left = [name for name in _link_names() if _LINK_RE.match(name) and _LINK_RE.match(name).group(1) == run_id]
+        left = [
+            name for name in _link_names() if _LINK_RE.match(name) and _LINK_RE.match(name).group(1) == run_id
+        ]
         if not left:
             break
         for link in left:
@@ -221,8 +225,12 @@ def sweep_stale() -> list[str]:
         if run_id not in live:
             stale.setdefault(run_id, {})
     for run_id, state in stale.items():
-        mine_ns = sorted(set(state.get("namespaces", [])) | {ns for ns in namespaces if ns.startswith(f"kvown-{run_id}-")})
-        mine_links = sorted(set(state.get("links", [])) | {link for link in links if link.startswith(f"kvwn{run_id}")})
+        mine_ns = sorted(
+            set(state.get("namespaces", [])) | {ns for ns in namespaces if ns.startswith(f"kvown-{run_id}-")}
+        )
+        mine_links = sorted(
+            set(state.get("links", [])) | {link for link in links if link.startswith(f"kvwn{run_id}")}
+        )
         _teardown(run_id, mine_ns, mine_links, state.get("run_dir"))
     return sorted(stale)
 
@@ -253,8 +261,15 @@ class TestHosts:
 
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, n: int, *, slots: int = 8, work_dir: str | os.PathLike[str] | None = None,
-                 reaper: bool = True, ucx_tls: str | None = "tcp,self") -> None:
+    def __init__(
+        self,
+        n: int,
+        *,
+        slots: int = 8,
+        work_dir: str | os.PathLike[str] | None = None,
+        reaper: bool = True,
+        ucx_tls: str | None = "tcp,self",
+    ) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"n must be in 1..200 (got {n})")
         self.n = n
@@ -291,11 +306,21 @@ class TestHosts:
         fd = _lock()
         try:
             sweep_stale()
+            taken = {m.group(1) for m in map(_NS_RE.match, _netns_names()) if m}
+            taken |= {p.stem for p in STATE_DIR.glob("*.json")}
+            while self.run_id in taken:  # 24 random bits; still, never share a name (rule 1)
+                self.run_id = f"{random.SystemRandom().getrandbits(24):06x}"
+                self.bridge = f"{PREFIX_LINK}{self.run_id}b"
             self.subnet = self._choose_subnet()
             hosts_base = list(self.subnet.hosts())
             self.bridge_address = str(hosts_base[0])
             self.hosts = [
-                Host(i, f"{PREFIX_NS}{self.run_id}-{i}", str(hosts_base[9 + i]), f"{PREFIX_LINK}{self.run_id}{i}")
+                Host(
+                    i,
+                    f"{PREFIX_NS}{self.run_id}-{i}",
+                    str(hosts_base[9 + i]),
+                    f"{PREFIX_LINK}{self.run_id}{i}",
+                )
                 for i in range(self.n)
             ]
             self.run_dir = Path(tempfile.mkdtemp(prefix=f"kvown-hosts-{self.run_id}-", dir=self._work_parent))
@@ -321,8 +346,12 @@ class TestHosts:
             self._closed = True
             return
         self._closed = True
-        _teardown(self.run_id, [h.name for h in self.hosts], [self.bridge, *(h.veth for h in self.hosts)],
-                  str(self.run_dir) if self.run_dir else None)
+        _teardown(
+            self.run_id,
+            [h.name for h in self.hosts],
+            [self.bridge, *(h.veth for h in self.hosts)],
+            str(self.run_dir) if self.run_dir else None,
+        )
         if self._reaper is not None:
             try:
                 self._reaper.stdin.write(b"done\n")  # type: ignore[union-attr]
@@ -390,9 +419,10 @@ class TestHosts:
             "# kvown test-host launch agent (PRRTE plm_ssh_agent): AGENT HOST CMD...\n"
             f"# run {self.run_id}; hosts: {known}\n"
             'host="$1"; shift\n'
-            f'case " {known} " in *" $host "*) ;; *) echo "kvown launch agent: unknown host $host" >&2; exit 255;; esac\n'
+            f'case " {known} " in *" $host "*) ;;\n'
+            '  *) echo "kvown launch agent: unknown host $host" >&2; exit 255;;\nesac\n'
             'ip netns exec "$host" unshare --uts sh -c "hostname $host; $*"\n'
-            'status=$?; exit $status\n'
+            "status=$?; exit $status\n"
         )
         self.agent.chmod(0o755)
 
@@ -410,8 +440,12 @@ class TestHosts:
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
         self._reaper = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, env=env, start_new_session=True,  # survives the owner's Ctrl-C
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # survives the owner's Ctrl-C
         )
 
     # -- launching --
@@ -446,7 +480,9 @@ class TestHosts:
             env.update(UCX_TLS=self.ucx_tls, UCX_NET_DEVICES="eth0")
         return env
 
-    def mpirun_command(self, ranks: int, *, map_by: str = "node", hosts: Sequence[int] | None = None) -> list[str]:
+    def mpirun_command(
+        self, ranks: int, *, map_by: str = "node", hosts: Sequence[int] | None = None
+    ) -> list[str]:
         """``mpirun`` argv that places ``ranks`` ranks on the test hosts, one PRRTE daemon per host.
 
         ``map_by="node"`` deals ranks round-robin (rank r on host r % n); ``"slot"`` fills host 0's
@@ -455,8 +491,17 @@ class TestHosts:
         """
         chosen = [self.hosts[i] for i in (hosts if hosts is not None else range(self.n))]
         cmd = _base_mpirun_command(ranks)
-        cmd += ["--host", ",".join(f"{h.name}:{self.slots}" for h in chosen), "--map-by", map_by, "--bind-to", "none",
-                "--prtemca", "plm_ssh_agent", str(self.agent)]
+        cmd += [
+            "--host",
+            ",".join(f"{h.name}:{self.slots}" for h in chosen),
+            "--map-by",
+            map_by,
+            "--bind-to",
+            "none",
+            "--prtemca",
+            "plm_ssh_agent",
+            str(self.agent),
+        ]
         for name in self.network_env():
             cmd += ["-x", name]
         return cmd
@@ -485,8 +530,10 @@ class TestHosts:
     def link_up(self, key: int | str) -> None:
         _run(["ip", "-n", self.host(key).name, "link", "set", "eth0", "up"])
 
-    def netem(self, key: int | str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0, loss_pct: float = 0.0) -> None:
-        """Delay and loss on the host's egress with ``tc netem``. ``HostsUnavailable`` if the kernel lacks it."""
+    def netem(
+        self, key: int | str, *, delay_ms: float = 0.0, jitter_ms: float = 0.0, loss_pct: float = 0.0
+    ) -> None:
+        """Delay and loss on the host's egress (``tc netem``); ``HostsUnavailable`` if the kernel lacks it."""
         args = ["tc", "qdisc", "replace", "dev", "eth0", "root", "netem"]
         if delay_ms:
             args += ["delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
@@ -501,8 +548,22 @@ class TestHosts:
 
         Works where ``netem`` is missing (``tbf`` is in most kernels). Drops show in ``qdisc_stats``.
         """
-        self.exec(key, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{rate_kbit}kbit",
-                  "burst", str(burst_bytes), "limit", str(queue_bytes))
+        self.exec(
+            key,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_kbit}kbit",
+            "burst",
+            str(burst_bytes),
+            "limit",
+            str(queue_bytes),
+        )
 
     def clear_qdisc(self, key: int | str) -> None:
         self.exec(key, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
@@ -513,7 +574,12 @@ class TestHosts:
         m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", out)
         if not m:
             return {}
-        return {"sent_bytes": int(m[1]), "sent_packets": int(m[2]), "dropped": int(m[3]), "overlimits": int(m[4])}
+        return {
+            "sent_bytes": int(m[1]),
+            "sent_packets": int(m[2]),
+            "dropped": int(m[3]),
+            "overlimits": int(m[4]),
+        }
 
     def tcp_retransmits(self, key: int | str) -> int:
         """TCP segments retransmitted inside the host's namespace (``/proc/net/snmp``)."""

@@ -30,13 +30,30 @@ from collections.abc import Iterable, Sequence
 
 # Lanes that move bytes between hosts, lanes that only work inside one host (shared memory / kernel
 # copies between processes), and lanes that stay inside one process (no pair is judged by them).
-NETWORK = frozenset({"tcp", "rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "ud", "ud_verbs", "ud_mlx5", "ib", "srd",
-                     "gga", "gga_mlx5"})
+NETWORK = frozenset(
+    {
+        "tcp",
+        "rc",
+        "rc_verbs",
+        "rc_mlx5",
+        "dc",
+        "dc_mlx5",
+        "ud",
+        "ud_verbs",
+        "ud_mlx5",
+        "ib",
+        "srd",
+        "gga",
+        "gga_mlx5",
+    }
+)
 SHARED_MEMORY = frozenset({"cma", "posix", "sysv", "xpmem", "knem", "cuda_ipc", "rocm_ipc", "mm"})
 IN_PROCESS = frozenset({"self", "cuda_copy", "gdr_copy", "rocm_copy", "rocm_gdr", "ze_copy"})
 
 _PREFIX = re.compile(r"^\[[\d.]+\]\s+\[(?P<host>[^:\]\s]+):(?P<pid>\d+)\s*:\s*\d+\]\s+(?P<rest>.*)$")
-_HEADER = re.compile(r"^\|\s*(?P<worker>\S+)\s+(?P<cls>self|intra-node|inter-node)\s+cfg#(?P<index>\d+)\s*\|$")
+_HEADER = re.compile(
+    r"^\|\s*(?P<worker>\S+)\s+(?P<cls>self|intra-node|inter-node)\s+cfg#(?P<index>\d+)\s*\|$"
+)
 _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:-]+)")
 
 
@@ -128,10 +145,20 @@ def pair_transports(
             ok, why = False, "a shared-memory transport between different hosts"
         elif cross and "network" not in kinds:
             ok, why = False, "no network transport between different hosts"
-        elif cross and require_device and any(
-            transport_kind(lane) == "network" and lane != f"tcp/{require_device}" for lane in lanes
+        elif (
+            cross
+            and require_device
+            and any(transport_kind(lane) == "network" and lane != f"tcp/{require_device}" for lane in lanes)
         ):
             ok, why = False, f"a network lane other than tcp/{require_device}"
-        out[key] = {"from_host": a["host"], "to_host": b["host"], "cross_host": cross, "lanes": lanes,
-                    "ucx_class": sorted({c.cls for c in candidates}), "exact": exact, "ok": ok, "why": why}
+        out[key] = {
+            "from_host": a["host"],
+            "to_host": b["host"],
+            "cross_host": cross,
+            "lanes": lanes,
+            "ucx_class": sorted({c.cls for c in candidates}),
+            "exact": exact,
+            "ok": ok,
+            "why": why,
+        }
     return out

@@ -49,7 +49,11 @@ class World:
 
     def alive(self, ranks: list[int] | None = None) -> list[int]:
         infos = self.infos()
-        return [r for r, i in infos.items() if (ranks is None or r in ranks) and pid_alive(i["pid"], i["start_ticks"])]
+        return [
+            r
+            for r, i in infos.items()
+            if (ranks is None or r in ranks) and pid_alive(i["pid"], i["start_ticks"])
+        ]
 
     def wait_file(self, name: str, timeout_s: float) -> dict | None:
         end = time.monotonic() + timeout_s
@@ -109,15 +113,26 @@ class World:
         return (self.out / "mpirun.stdout").read_text(errors="replace")
 
 
-def start_world(hosts: TestHosts, ranks: int, args: list[str], out: Path, env: dict[str, str] | None = None,
-                script: str = "netfault_world.py") -> World:
+def start_world(
+    hosts: TestHosts,
+    ranks: int,
+    args: list[str],
+    out: Path,
+    env: dict[str, str] | None = None,
+    script: str = "netfault_world.py",
+) -> World:
     """Start ``script ARGS`` on ``ranks`` ranks across ``hosts`` (rank r on host r % n)."""
     out.mkdir(parents=True, exist_ok=True)
     full = hosts.env()
-    full.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", NIXL_LOG_LEVEL="WARN", KVOWN_FLIGHT_DIR=str(out),
-                **(env or {}))
+    full.update(
+        PYTHONPATH=str(ROOT),
+        PYTHONUNBUFFERED="1",
+        NIXL_LOG_LEVEL="WARN",
+        KVOWN_FLIGHT_DIR=str(out),
+        **(env or {}),
+    )
     cmd = hosts.mpirun_command(ranks) + ["-x", "PYTHONPATH", "-x", "KVOWN_FLIGHT_DIR"]
-    for name in (env or {}):
+    for name in env or {}:
         cmd += ["-x", name]
     cmd += [sys.executable, str(WORLDS / script), *args]
     so = open(out / "mpirun.stdout", "wb")

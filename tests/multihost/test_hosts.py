@@ -36,7 +36,9 @@ def addresses(ns: str | None = None) -> list[tuple[str, str]]:
 
 
 def gone(h: TestHosts) -> bool:
-    return not (set(h.names) & netns_list()) and not any(name.startswith(f"kvwn{h.run_id}") for name in links())
+    return not (set(h.names) & netns_list()) and not any(
+        name.startswith(f"kvwn{h.run_id}") for name in links()
+    )
 
 
 def test_unavailable_reason_names_what_is_missing(monkeypatch):
@@ -61,12 +63,19 @@ def test_addresses_live_only_on_the_namespaces_and_the_bridge(make_hosts):
 @pytest.mark.timeout(120)
 def test_mpirun_runs_one_daemon_and_one_rank_per_host(make_hosts):
     h = make_hosts(3)
-    probe = ("import json, os, socket; from mpi4py import MPI; "
-             "ppid = os.getppid(); comm = open(f'/proc/{ppid}/comm').read().strip(); "
-             "print('RANK', json.dumps([MPI.COMM_WORLD.Get_rank(), socket.gethostname(), ppid, comm, "
-             "os.readlink('/proc/self/ns/net')]), flush=True)")
-    proc = subprocess.run(h.mpirun_command(3) + [sys.executable, "-c", probe], env=h.env(), capture_output=True,
-                          text=True, timeout=100)
+    probe = (
+        "import json, os, socket; from mpi4py import MPI; "
+        "ppid = os.getppid(); comm = open(f'/proc/{ppid}/comm').read().strip(); "
+        "print('RANK', json.dumps([MPI.COMM_WORLD.Get_rank(), socket.gethostname(), ppid, comm, "
+        "os.readlink('/proc/self/ns/net')]), flush=True)"
+    )
+    proc = subprocess.run(
+        h.mpirun_command(3) + [sys.executable, "-c", probe],
+        env=h.env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = sorted(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK "))
     assert [r[1] for r in ranks] == h.placement(3) == h.names  # rank r on host r
@@ -76,16 +85,21 @@ def test_mpirun_runs_one_daemon_and_one_rank_per_host(make_hosts):
     assert os.readlink("/proc/self/ns/net") not in {r[4] for r in ranks}
 
 
-LISTEN = ("import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-          "s.bind(('0.0.0.0', 7777)); s.listen(8); print('up', flush=True); s.settimeout(20)\n"
-          "while True:\n    c, _ = s.accept(); c.close()")
+LISTEN = (
+    "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+    "s.bind(('0.0.0.0', 7777)); s.listen(8); print('up', flush=True); s.settimeout(20)\n"
+    "while True:\n    c, _ = s.accept(); c.close()"
+)
 CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], 7777), timeout=1.5).close()"
 
 
 def test_link_down_cuts_a_host_off_and_link_up_restores_it(make_hosts):
     h = make_hosts(2)
-    server = subprocess.Popen(["ip", "netns", "exec", h.hosts[0].name, sys.executable, "-c", LISTEN],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", h.hosts[0].name, sys.executable, "-c", LISTEN],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().strip() == "up"
 
@@ -117,14 +131,20 @@ def test_teardown_after_an_exception_leaves_nothing(tmp_path):
     assert not (hostsmod.STATE_DIR / f"{h.run_id}.json").exists()
 
 
-OWNER = ("import sys, time; from kvown.testing.hosts import TestHosts\n"
-         "h = TestHosts(2, reaper=sys.argv[1] == 'reaper').open()\n"
-         "print(h.run_id, flush=True); time.sleep(60)")
+OWNER = (
+    "import sys, time; from kvown.testing.hosts import TestHosts\n"
+    "h = TestHosts(2, reaper=sys.argv[1] == 'reaper').open()\n"
+    "print(h.run_id, flush=True); time.sleep(60)"
+)
 
 
 def start_owner(mode: str) -> tuple[subprocess.Popen, str]:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, mode], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     run_id = owner.stdout.readline().strip()
     owner.stdout.close()
     return owner, run_id

@@ -54,8 +54,12 @@ def reuse_problems(world: World) -> list[str]:
             problems.append(f"request L's blocks counted as free at {e['t_ns']}: {e['pool']}")
     records = flight(world, RX)
     if not records or records[0].get("reason") != "deadline" or records[0].get("request_id") != rid:
-        problems.append(f"no deadline fail-stop for request L in the receiver's flight recorder: {records[:1]}")
-    if any(r.get("type") == "event" and r.get("kind") == "retire" and r.get("request_id") == rid for r in records):
+        problems.append(
+            f"no deadline fail-stop for request L in the receiver's flight recorder: {records[:1]}"
+        )
+    if any(
+        r.get("type") == "event" and r.get("kind") == "retire" and r.get("request_id") == rid for r in records
+    ):
         problems.append("the receiver's flight recorder shows request L retired")
     return problems
 
@@ -64,7 +68,9 @@ def run_linkdown(make_hosts, tmp_path: Path, mutant: str = "") -> tuple[World, d
     hosts = make_hosts(3)
     # A slow writer link first, so one 2 MiB WRITE stays in flight for seconds: then cut it mid-WRITE.
     hosts.throttle(W, rate_kbit=2000, queue_bytes=200_000)
-    world = start_world(hosts, 3, ["linkdown", str(tmp_path), *(["--mutant", mutant] if mutant else [])], tmp_path)
+    world = start_world(
+        hosts, 3, ["linkdown", str(tmp_path), *(["--mutant", mutant] if mutant else [])], tmp_path
+    )
     facts: dict = {}
     try:
         assert world.wait_started(90), world.stderr[-3000:]
@@ -90,7 +96,9 @@ def run_linkdown(make_hosts, tmp_path: Path, mutant: str = "") -> tuple[World, d
 def test_writer_link_down_mid_write_holds_blocks_and_fail_stops_every_host(make_hosts, tmp_path):
     world, facts = run_linkdown(make_hosts, tmp_path)
     deadline_ns, gone_ns = facts["deadline_ns"], facts["all_gone_ns"]
-    assert gone_ns is not None, f"ranks still alive 10 s after the deadline: {world.alive()}\n{world.stderr[-3000:]}"
+    assert gone_ns is not None, (
+        f"ranks still alive 10 s after the deadline: {world.alive()}\n{world.stderr[-3000:]}"
+    )
     assert deadline_ns <= gone_ns < deadline_ns + 2 * S, (gone_ns - deadline_ns) / 1e6
     assert facts["returncode"] == ExitCode.DEADLINE, world.stderr[-3000:]
     assert reuse_problems(world) == []
@@ -126,8 +134,23 @@ def test_every_session_ends_with_proof_on_a_slow_lossy_link(make_hosts, tmp_path
     hosts = make_hosts(2)
     impair(hosts, how)
     retrans_before = hosts.tcp_retransmits(W)
-    world = start_world(hosts, 2, ["sessions", str(tmp_path), "--sessions", "30", "--blocks", "4",
-                                   "--timeout-s", "15", "--grace-s", "15"], tmp_path)
+    world = start_world(
+        hosts,
+        2,
+        [
+            "sessions",
+            str(tmp_path),
+            "--sessions",
+            "30",
+            "--blocks",
+            "4",
+            "--timeout-s",
+            "15",
+            "--grace-s",
+            "15",
+        ],
+        tmp_path,
+    )
     try:
         rc = world.wait_exit(200)
     finally:
@@ -149,8 +172,13 @@ def test_every_session_ends_with_proof_on_a_slow_lossy_link(make_hosts, tmp_path
 def test_a_dead_host_takes_the_world_down_within_the_crash_grace(make_hosts, tmp_path):
     grace_s = 1.0
     hosts = make_hosts(3)
-    world = start_world(hosts, 3, ["hostdeath", str(tmp_path), "--timeout-s", "5", "--grace-s", "5"], tmp_path,
-                        env={"KVOWN_RANK_CRASH_GRACE_S": str(grace_s)})
+    world = start_world(
+        hosts,
+        3,
+        ["hostdeath", str(tmp_path), "--timeout-s", "5", "--grace-s", "5"],
+        tmp_path,
+        env={"KVOWN_RANK_CRASH_GRACE_S": str(grace_s)},
+    )
     try:
         assert world.wait_started(90), world.stderr[-3000:]
         progress = None

@@ -19,10 +19,20 @@ from hostkit import ROOT
 from kvown.testing.hosts import unavailable_reason
 
 pytestmark = pytest.mark.multiproc
-EXPECTED_SCENARIOS = {"happy", "cancel_before_publication", "cancel_mid_transfer", "cancel_before_sender_session",
-                      "fan_in_one_writer_cancelled", "broadcast_publication", "context_first",
-                      "checksummed_transfer", "hostile_frames", "still_works_afterwards", "network",
-                      "fail_stop_across_hosts"}
+EXPECTED_SCENARIOS = {
+    "happy",
+    "cancel_before_publication",
+    "cancel_mid_transfer",
+    "cancel_before_sender_session",
+    "fan_in_one_writer_cancelled",
+    "broadcast_publication",
+    "context_first",
+    "checksummed_transfer",
+    "hostile_frames",
+    "still_works_afterwards",
+    "network",
+    "fail_stop_across_hosts",
+}
 
 
 @pytest.mark.timeout(400)
@@ -32,10 +42,27 @@ def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
     if reason:
         pytest.skip(f"test hosts unavailable: {reason}")
     out, junit = tmp_path / "q.json", tmp_path / "q.xml"
-    proc = subprocess.run([sys.executable, "-m", "kvown", "qualify", "--test-hosts", "3", "--layout", layout,
-                           "--json", str(out), "--junit-xml", str(junit)],
-                          capture_output=True, text=True, timeout=380, cwd=ROOT,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvown",
+            "qualify",
+            "--test-hosts",
+            "3",
+            "--layout",
+            layout,
+            "--json",
+            str(out),
+            "--junit-xml",
+            str(junit),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     checks = report["checks"]
@@ -47,7 +74,9 @@ def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
     sc = figures["scenarios"]
     assert len({r["host"] for r in sc["ranks"]}) == 3  # one rank per host
     pairs = sc["ucx_pairs"]
-    assert pairs and all(p["cross_host"] and p["lanes"] == ["tcp/eth0"] and p["exact"] for p in pairs.values())
+    assert pairs and all(
+        p["cross_host"] and p["lanes"] == ["tcp/eth0"] and p["exact"] for p in pairs.values()
+    )
     assert sc["verified_nbytes_checksum"] > 0
     fs = figures["failstop"]
     assert len(fs["hosts"]) == 3 and fs["returncode"] == 75

@@ -38,7 +38,7 @@ import torch
 from mpi4py import MPI
 
 from kernels.nvfp4 import fill_pattern
-from kvown import KVLayout, Outcome, PoolExhausted, TransferConfig, connect_mpi, make_request_id
+from kvown import KVLayout, PoolExhausted, TransferConfig, connect_mpi, make_request_id
 from kvown.adapters.mpi import process_start_ticks
 
 MAX_LIFETIME_S = 60.0
@@ -51,9 +51,13 @@ ap.add_argument("--sessions", type=int, default=40)
 ap.add_argument("--blocks", type=int, default=4)
 ap.add_argument("--timeout-s", type=float, default=2.0)
 ap.add_argument("--grace-s", type=float, default=1.0)
-ap.add_argument("--mutant", default="", choices=["", "free-on-timeout"],
-                help="free-on-timeout: the receiver returns request L's blocks to the pool when its transfer "
-                     "timeout passes, as a timer-based system does (the test must catch it)")
+ap.add_argument(
+    "--mutant",
+    default="",
+    choices=["", "free-on-timeout"],
+    help="free-on-timeout: the receiver returns request L's blocks to the pool when its transfer "
+    "timeout passes, as a timer-based system does (the test must catch it)",
+)
 args = ap.parse_args()
 out = Path(args.out)
 comm = MPI.COMM_WORLD
@@ -62,8 +66,12 @@ END = time.monotonic() + MAX_LIFETIME_S
 
 # 64 KiB blocks: big enough that a throttled link keeps a WRITE in flight for seconds
 layout = KVLayout.standard(num_layers=4, num_blocks=48, tokens_per_block=16, num_kv_heads=2, head_dim=128)
-rt = connect_mpi(comm, layout=layout, config=TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s),
-                 roles={"receiver"} if rank == RX else {"sender"})
+rt = connect_mpi(
+    comm,
+    layout=layout,
+    config=TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s),
+    roles={"receiver"} if rank == RX else {"sender"},
+)
 pool = rt.engine.pool
 
 
@@ -80,8 +88,15 @@ def append_journal(value: dict) -> None:
         os.fsync(f.fileno())  # the kill may come at any instruction
 
 
-write_json(f"rank{rank}.json", {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-                                "start_ticks": process_start_ticks(os.getpid())})
+write_json(
+    f"rank{rank}.json",
+    {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_ticks": process_start_ticks(os.getpid()),
+    },
+)
 comm.Barrier()
 
 
@@ -118,16 +133,28 @@ def linkdown() -> None:
                 mutated = True  # the planted bug: free on a timer, without proof
                 rt.engine.call(lambda e: e.pool.retire(h.blocks, owner=rid))
             stats = rt.engine.statistics()
-            entry = {"t_ns": time.monotonic_ns(), "pool": stats["pool"], "landed": h.landed.is_set(),
-                     "retired": h.retired.is_set()}
-            if not probed and (out / "link-is-down").exists() and time.monotonic_ns() >= timed_out_ns + 200_000_000:
+            entry = {
+                "t_ns": time.monotonic_ns(),
+                "pool": stats["pool"],
+                "landed": h.landed.is_set(),
+                "retired": h.retired.is_set(),
+            }
+            if (
+                not probed
+                and (out / "link-is-down").exists()
+                and time.monotonic_ns() >= timed_out_ns + 200_000_000
+            ):
                 probed = True
                 try:  # more than is free: must be refused, never served from request L's blocks
-                    rt.receiver.receive(make_request_id(5, 2), stats["pool"]["free"] + 1, (2 % comm.Get_size(),))
+                    rt.receiver.receive(
+                        make_request_id(5, 2), stats["pool"]["free"] + 1, (2 % comm.Get_size(),)
+                    )
                     entry["oversized_request"] = "served"
                 except PoolExhausted:
                     entry["oversized_request"] = "refused"
-                extra = rt.receiver.receive(make_request_id(5, 3), stats["pool"]["free"], (2 % comm.Get_size(),))
+                extra = rt.receiver.receive(
+                    make_request_id(5, 3), stats["pool"]["free"], (2 % comm.Get_size(),)
+                )
                 entry["free_request_blocks"] = sorted(extra.blocks)
                 entry["overlap_with_held"] = sorted(set(extra.blocks) & set(held))
             append_journal(entry)
@@ -168,9 +195,18 @@ def sessions(count: int, guard=None) -> None:
             t_release = time.monotonic_ns()
             retired = h.retired.wait(30)
             outcome = h.outcome.result(5).value if h.outcome.done() else None
-            report.append({"session": i, "cancelled": cancel, "landed": landed, "verified": ok, "retired": retired,
-                           "outcome": outcome, "publish_to_landed_us": None if cancel else (t_landed - t0) / 1e3,
-                           "release_to_retired_us": (h.retired_ns - t_release) / 1e3 if retired else None})
+            report.append(
+                {
+                    "session": i,
+                    "cancelled": cancel,
+                    "landed": landed,
+                    "verified": ok,
+                    "retired": retired,
+                    "outcome": outcome,
+                    "publish_to_landed_us": None if cancel else (t_landed - t0) / 1e3,
+                    "release_to_retired_us": (h.retired_ns - t_release) / 1e3 if retired else None,
+                }
+            )
             if count <= 0:
                 write_json("progress.json", {"sessions": i + 1})
             if not retired:
