@@ -48,7 +48,7 @@ def _machine(load_before: tuple[float, float, float]) -> dict[str, object]:
     try:
         from mpi4py import MPI
 
-        versions["mpi"] = MPI.Get_library_version().splitlines()[0]
+        versions["mpi"] = MPI.Get_library_version().splitlines()[0].rstrip("\x00")
     except Exception:  # noqa: BLE001
         pass
     return {"cpus": os.cpu_count(), **versions, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
