@@ -358,7 +358,7 @@ def print_table(checks: dict[str, dict[str, bool]], figures: dict, out=sys.stdou
             f"    fail-stop           deadline -> every rank gone "
             f"{'%.0f ms' % gone if gone is not None else 'n/a'}, -> launcher exit "
             f"{fs.get('deadline_to_launcher_exit_ms', 'n/a')} ms  ({fs.get('ranks')} ranks on "
-            f"{len(fs.get('hosts', []))} hosts)",
+            f"{len(fs.get('hosts', []))} host(s))",
             file=out,
         )
     if "durations_s" in figures:
@@ -470,7 +470,7 @@ def qualify(args: argparse.Namespace, launch: Launch) -> tuple[dict, dict]:
     }
     t1 = time.monotonic()
     if not args.no_failstop:
-        ranks = args.failstop_ranks or max(3, launch.hosts_wanted)
+        ranks = args.failstop_ranks or (3 if args.launcher else max(3, launch.hosts_wanted))
         fs_checks, fs_figures = run_failstop(
             launch, ranks, args.device, min(args.timeout_s, 120.0), args.failstop_bound_s
         )
@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--launcher",
         help="a launcher line that starts the ranks itself, e.g. "
-        "'srun --mpi=pmix -N3 -n3' (it must start 3 ranks)",
+        "'srun --mpi=pmix -N3 -n3' (it must start 3 ranks; both worlds use it)",
     )
     where.add_argument(
         "--test-hosts",
@@ -545,7 +545,9 @@ def main(argv: list[str] | None = None) -> int:
             from kvown.testing.hosts import HostsUnavailable, TestHosts
 
             try:
-                hosts_obj = TestHosts(args.test_hosts).open()
+                # VRAM needs UCX's cuda_copy lane (staging inside the process) beside TCP; still no shared memory
+                tls = "tcp,self,cuda_copy" if args.device.startswith("cuda") else "tcp,self"
+                hosts_obj = TestHosts(args.test_hosts, ucx_tls=tls).open()
             except HostsUnavailable as exc:
                 print(f"kvown qualify: cannot build test hosts here: {exc.reason}", file=sys.stderr)
                 return 2

@@ -90,3 +90,31 @@ def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
     cases = suite.findall("testcase")
     assert len(cases) == sum(len(v) for v in checks.values())
     assert suite.get("failures") == "0" and not suite.findall("testcase/failure")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("where", ["--hosts", "--hostfile"])
+def test_the_cluster_path_of_qualify_on_test_hosts(make_hosts, tmp_path, where):
+    """``--hosts`` / ``--hostfile`` as on a real cluster: the test hosts only provide the launch agent
+    and network settings through the environment, as an operator's ssh and UCX settings would. The
+    fail-stop time is then measured as on real hosts: deadline (wall clock) -> launcher exit."""
+    hosts = make_hosts(3)
+    out = tmp_path / "q.json"
+    spec = ",".join(hosts.names) if where == "--hosts" else str(hosts.hostfile)
+    env = hosts.env()
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvown", "qualify", where, spec, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=ROOT,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and set(report["checks"]) == EXPECTED_SCENARIOS
+    fs = report["figures"]["failstop"]
+    assert fs["clock"] == "wall clocks of the hosts" and "deadline_to_all_ranks_gone_ms" not in fs
+    assert 0 <= fs["deadline_to_launcher_exit_ms"]
