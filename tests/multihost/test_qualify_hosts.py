@@ -10,12 +10,15 @@ with the slow tests (standard is also qualified on one host by tests/multiproc/t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from hostkit import ROOT
+from hostkit import ROOT, pid_alive
 
 from kvown.testing.hosts import unavailable_reason
 
@@ -118,3 +121,67 @@ def test_the_cluster_path_of_qualify_on_test_hosts(make_hosts, tmp_path, where):
     fs = report["figures"]["failstop"]
     assert fs["clock"] == "wall clocks of the hosts" and "deadline_to_all_ranks_gone_ms" not in fs
     assert 0 <= fs["deadline_to_launcher_exit_ms"]
+
+
+def descendants(root: int) -> dict[int, int]:
+    """{pid: start ticks} of every process below ``root`` now (from /proc)."""
+    parent, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            parent[int(entry)], ticks[int(entry)] = int(fields[1]), int(fields[19])
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, ppid in parent.items():
+            if ppid == pid and child not in found:
+                found[child] = ticks[child]
+                frontier.append(child)
+    return found
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_qualification_tears_its_hosts_and_world_down(make_hosts, sig):
+    make_hosts  # noqa: B018 - only for its skip where namespaces cannot be made
+    before = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvown", "qualify", "--test-hosts", "2"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().startswith("kvown qualify:")  # hosts built, the world is starting
+        time.sleep(3)
+        mine = {
+            n
+            for n in subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
+            ).stdout.split()
+            if n.startswith("kvown-")
+        } - before
+        assert mine, "the qualification made no test hosts"
+        tree = descendants(proc.pid)  # mpirun, launch agents, PRRTE daemons, ranks
+        assert len(tree) >= 3
+        proc.send_signal(sig)
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+    left = set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
+    )
+    assert not (mine & left)
+    alive = [pid for pid, ticks in tree.items() if pid_alive(pid, ticks)]
+    assert not alive, f"processes of the qualification left running: {alive}"
