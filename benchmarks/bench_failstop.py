@@ -7,6 +7,15 @@ fail-stop, the others on the launcher's SIGTERM). Measured from outside by polli
 (with its start time) every 2 ms against the shared CLOCK_MONOTONIC.
 
     python benchmarks/bench_failstop.py --runs 10 --ranks 2 4 --json out/bench_failstop.json
+
+Across hosts (``--test-hosts N``, ``--hosts a,b,c``, ``--hostfile F`` or ``--launcher LINE``): the
+fail-stop world of ``kvown qualify`` (``kvown.apps.qualify_failstop``: rank 0 publishes to a writer on
+another host that has frozen itself; no proof can come), one rank per host, deadline 1.0 s after the
+publication. With ``--test-hosts`` every rank's PID is watched from here (deadline -> every rank on
+every host gone); on real hosts only the launcher's exit is seen (wall clocks). The baseline, in the
+same run and interleaved, is the same world with every rank on this host.
+
+    kvown bench failstop --test-hosts 3 --runs 10 --json out/bench_failstop_hosts.json
 """
 
 from __future__ import annotations
@@ -27,6 +36,22 @@ sys.path.insert(0, str(ROOT / "tests" / "multiproc"))
 from ranks.launch import run_world  # noqa: E402
 
 DEADLINE_S = 1.0
+
+
+def _machine(load_before: tuple[float, float, float]) -> dict[str, object]:
+    versions = {"python": platform.python_version(), "kernel": platform.release()}
+    for module in ("torch", "mpi4py", "nixl"):
+        try:
+            versions[module] = __import__("importlib.metadata").metadata.version(module)
+        except Exception:  # noqa: BLE001 - a version we cannot read is left out
+            pass
+    try:
+        from mpi4py import MPI
+
+        versions["mpi"] = MPI.Get_library_version().splitlines()[0].rstrip("\x00")
+    except Exception:  # noqa: BLE001
+        pass
+    return {"cpus": os.cpu_count(), **versions, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
 
 
 def summarize(values_ms: list[float]) -> dict[str, float]:
@@ -57,20 +82,91 @@ def bench(ranks: int, runs: int, workdir: Path) -> dict[str, object]:
     }
 
 
+def bench_hosts(args: argparse.Namespace) -> dict[str, object]:
+    """deadline -> world gone across hosts, against the same world on this host (baseline), interleaved."""
+    from kvown import qualify
+
+    hosts = None
+    if args.test_hosts:
+        from kvown.testing.hosts import TestHosts
+
+        hosts = TestHosts(args.test_hosts).open()
+    try:
+        across = qualify._launch_for(argparse.Namespace(launcher=args.launcher, hosts=args.hosts,
+                                                        hostfile=args.hostfile, slots=4, expect_hosts=0), hosts)
+        local = qualify._launch_for(argparse.Namespace(launcher=None, hosts=None, hostfile=None), None)
+        ranks = args.ranks[0] if args.ranks_given else max(3, across.hosts_wanted)
+        samples: dict[str, list[dict]] = {"across_hosts": [], "one_host": []}
+        for i in range(args.runs):
+            for name, launch in (("across_hosts", across), ("one_host", local)):
+                checks, fig = qualify.run_failstop(launch, ranks, "cpu", 90.0, bound_s=5.0)
+                fig = {k: v for k, v in fig.items() if k != "tail"}
+                fig["ok"] = all(checks.values())
+                samples[name].append(fig)
+                print(f"{name:<12} run={i} ok={fig['ok']} hosts={len(fig['hosts'])} deadline->all gone "
+                      f"{fig.get('deadline_to_all_ranks_gone_ms')} ms, launcher exit "
+                      f"{fig.get('deadline_to_launcher_exit_ms')} ms", flush=True)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+    def summary(name: str, key: str) -> dict[str, float] | None:
+        values = [f[key] for f in samples[name] if f["ok"] and f.get(key) is not None]
+        return summarize(values) if values else None
+
+    result = {"ranks": ranks, "runs": args.runs, "where": across.where, "clock": samples["across_hosts"][0].get("clock")}
+    for name in samples:
+        result[name] = {"ok_runs": sum(f["ok"] for f in samples[name]),
+                        "deadline_to_all_gone": summary(name, "deadline_to_all_ranks_gone_ms"),
+                        "deadline_to_launcher_exit": summary(name, "deadline_to_launcher_exit_ms"),
+                        "samples": samples[name]}
+    a, b = result["across_hosts"]["deadline_to_all_gone"], result["one_host"]["deadline_to_all_gone"]
+    if a and b:
+        result["ratio_all_gone_median_across_vs_one_host"] = a["median_ms"] / b["median_ms"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ranks", type=int, nargs="+", default=None)
     parser.add_argument("--json", type=Path, default=None, help="write results here")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--test-hosts", type=int, default=0, metavar="N", help="N namespace hosts on this machine")
+    where.add_argument("--hosts", help="comma-separated hosts (mpirun --host)")
+    where.add_argument("--hostfile", help="an Open MPI hostfile")
+    where.add_argument("--launcher", help="a launcher line that starts the ranks, e.g. 'srun --mpi=pmix -N3 -n3'")
     args = parser.parse_args(argv)
+    args.ranks_given = args.ranks is not None
+    if args.ranks is None:
+        args.ranks = [2, 4]
+    if args.test_hosts or args.hosts or args.hostfile or args.launcher:
+        load_before = os.getloadavg()
+        result = bench_hosts(args)
+        report = {
+            "benchmark": "failstop_deadline_to_world_gone_across_hosts",
+            "config": {"world": "kvown.apps.qualify_failstop", "timeout_s": 0.5, "grace_s": 0.5, "poll_ms": 2,
+                       "target_ms": 1000},
+            "machine": _machine(load_before),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "results": result,
+        }
+        for name in ("across_hosts", "one_host"):
+            s = result[name]["deadline_to_all_gone"] or result[name]["deadline_to_launcher_exit"]
+            if s:
+                print(f"{name}: deadline->world gone median {s['median_ms']:.1f} ms, "
+                      f"max {s['max_ms']:.1f} ms ({result[name]['ok_runs']}/{args.runs} runs)")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+        return 0 if all(result[n]["ok_runs"] == args.runs for n in ("across_hosts", "one_host")) else 1
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kvown-bench-failstop-") as tmp:
         results = [bench(n, args.runs, Path(tmp)) for n in args.ranks]
     report = {
         "benchmark": "failstop_deadline_to_world_gone",
         "config": {"scenario": "claim", "deadline_s": DEADLINE_S, "poll_ms": 2, "target_ms_4_ranks": 1000},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": _machine(load_before),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "results": results,
     }

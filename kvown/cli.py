@@ -27,7 +27,7 @@ import kvown
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvown.apps.demo:main", "run the main job: context ranks write KV into generation ranks"),
     "bench": ("kvown.apps.bench:main", "run the reproducible benchmarks (JSON + PNG output)"),
-    "qualify": ("kvown.apps.qualify:main", "run every ownership scenario in a real 3-rank world (layout, device, hosts)"),
+    "qualify": ("kvown.apps.qualify:main", "qualify a deployment: scenarios, UCX transports, fail-stop"),
     "doctor": ("kvown.apps.doctor:main", "print what this machine offers, one line per part"),
     "inspect": ("kvown.apps.inspect:inspect_main", "read a flight-recorder dump"),
 }

@@ -75,7 +75,7 @@ class Reply(enum.IntEnum):
 
 
 def job_key_from_env(env: Mapping[str, str] | None = None) -> bytes:
-    """Read the per-job HMAC key from ``KVOWN_JOB_KEY`` (hex, as ``kvown.runtime.bootstrap`` reads it).
+    """Read the per-job HMAC key from ``KVOWN_JOB_KEY`` (hex, as ``kvown.rank.connect_rendezvous`` reads it).
 
     Called: once at startup. After error: ``ConfigError``; nothing started.
     """

@@ -33,8 +33,9 @@ SCRIPTS: dict[str, tuple[str, int | None, str]] = {
     "transfer": ("bench_transfer.py", 2, "throughput vs raw NIXL, cancel/release -> retired latency (mpirun -n 2)"),
     "fence": ("bench_fence.py", None, "cancellation fence: bytes per fenced id at 1M ids, lookup time vs a dict"),
     "control": ("bench_control.py", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
-    "failstop": ("bench_failstop.py", None, "deadline -> world dead (MPI_Abort propagation)"),
+    "failstop": ("bench_failstop.py", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N"),
     "kernels": ("bench_kernels.py", None, "NVFP4 quantize/dequantize and checksum vs torch's copy bandwidth"),
+    "link": ("bench_link.py", None, "session latency on a slow / lossy link between two test hosts (root)"),
 }
 
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("name", nargs="?", default="all", choices=["all", *sorted(SCRIPTS)], metavar="NAME",
-                    help="transfer | fence | control | failstop | kernels | all (default: all, JSON + PNG per benchmark "
+                    help="transfer | fence | control | failstop | kernels | link | all (default: all, JSON + PNG per "
+                         "benchmark "
                          "in the current directory or in the --json directory)")
     ap.add_argument("--json", default=None, help="write the results here (passed to the script)")
     ap.add_argument("--plot", default=None, help="write a PNG here (passed to the script)")

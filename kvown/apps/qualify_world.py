@@ -5,14 +5,23 @@ barriers; ranks record checks as {scenario: {check: bool}} and rank 0 writes the
 Run it on the hosts and layout you deploy (``--layout nvfp4`` for NVFP4 packed values + scales;
 ``kvown qualify --hosts a,b`` places the ranks on several nodes).
 
+Besides the checks, rank 0 reports figures: how long start-up (NIXL agents, registration, metadata
+allgather and load) took on each rank, where each rank ran, which rank pairs carried kvown traffic, and
+how many bytes were verified (by pattern, and by checksum against a digest the writer sent beside the
+KV). Results go to OUT (if given) and, always, to stdout as one ``KVOWN-RESULT {json}`` line, so a
+launcher on another host than rank 0 still gets them.
+
 Rules:
   1. Every wait is bounded; a scenario that raises records a failed check instead of hanging the world.
   2. Data is verified byte for byte against a pattern the writer produced after opening its session.
+  3. Checksummed data is random: the receiver cannot regenerate it, only compare digests.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import time
 
@@ -21,7 +30,7 @@ sys.setswitchinterval(2e-4)
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from kernels.nvfp4 import fill_pattern  # noqa: E402
+from kernels.nvfp4 import checksum, fill_pattern  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.cuda import WriteTracker  # noqa: E402
 from kvown.core.messages import Envelope, KvResult, ResultStatus, seal  # noqa: E402
@@ -32,7 +41,7 @@ import argparse  # noqa: E402
 _ap = argparse.ArgumentParser(prog="kvown.apps.qualify_world")
 _ap.add_argument("--layout", choices=["standard", "mla", "nvfp4"], default="standard")
 _ap.add_argument("--device", default="cpu")
-_ap.add_argument("out")
+_ap.add_argument("out", nargs="?", help="also write the results here (rank 0's filesystem)")
 ARGS = _ap.parse_args()
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -43,10 +52,14 @@ LAYOUT = {
     "mla": lambda: KVLayout.mla(latent_dim=576, dtype="bfloat16", **_SHAPE),
     "nvfp4": lambda: KVLayout.nvfp4(num_kv_heads=2, head_dim=128, **_SHAPE),
 }[ARGS.layout]()
+comm.Barrier()
+_connect_t0 = time.monotonic()
 rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0, fault="", canary=True),
                  roles={"receiver"} if rank == RX else {"sender"}, device=ARGS.device)
+CONNECT_S = time.monotonic() - _connect_t0  # agent, registration, metadata allgather + load, barrier
 pool = rt.engine.pool
 results: dict[str, dict[str, bool]] = {}
+verified_nbytes = {"pattern": 0, "checksum": 0}
 seq = iter(range(1000))
 
 
@@ -65,6 +78,7 @@ def verify(blocks, request_id) -> bool:
         fill_pattern(expected, request_id, 0, j)
         if not torch.equal(pool.block_view(b), expected):
             return False
+    verified_nbytes["pattern"] += len(blocks) * LAYOUT.block_nbytes
     return True
 
 
@@ -303,13 +317,57 @@ def still_works_afterwards(r):
         rt.sender.send(r, blocks).released.wait(5)
 
 
-gathered = comm.gather(results, root=0)
+@scenario
+def checksummed_transfer(r):
+    """Each writer sends random blocks (no pattern to regenerate) and, by MPI, their checksums; the
+    receiver's checksums of what landed must match, block by block, from every writer's host."""
+    n = 24
+    ids = {W0: make_request_id(4, 2 * next(seq)), W1: make_request_id(4, 2 * next(seq) + 1)}
+    if rank == RX:
+        handles = {w: rt.receiver.receive(ids[w], n, (w,)) for w in (W0, W1)}
+        for w, h in handles.items():
+            landed = h.landed.wait(10)
+            sent = recv(w, 17)
+            got = [checksum(pool.block_view(b)) for b in h.blocks]
+            match = landed and got == sent
+            if match:
+                verified_nbytes["checksum"] += n * LAYOUT.block_nbytes
+            rt.receiver.release(ids[w])
+            check("checksummed_transfer", **{f"writer{w}_landed": landed, f"writer{w}_checksums_match": match,
+                                             f"writer{w}_retired": h.retired.wait(5)})
+    elif rank in (W0, W1):
+        blocks = tuple(range(8, 8 + n))
+        generator = torch.Generator().manual_seed(ids[rank])
+        for b in blocks:
+            view = pool.block_view(b)
+            view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8, generator=generator))
+        comm.send([checksum(pool.block_view(b)) for b in blocks], dest=RX, tag=17)
+        hs = rt.sender.send(ids[rank], blocks)
+        check("checksummed_transfer", **{f"writer{rank}_released": hs.released.wait(10)})
+
+
+me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "connect_s": CONNECT_S,
+      "verified_nbytes": verified_nbytes}
+gathered = comm.gather((results, me), root=0)
 if rank == 0:
     merged: dict[str, dict[str, bool]] = {}
-    for part in gathered:
+    for part, _ in gathered:
         for name, checks in part.items():
             merged.setdefault(name, {}).update(checks)
-    with open(ARGS.out, "w") as f:
-        json.dump(merged, f, indent=1)
+    ranks = [info for _, info in gathered]
+    figures = {
+        "ranks": [{k: info[k] for k in ("rank", "host", "pid")} for info in ranks],
+        "connect_s": [round(info["connect_s"], 4) for info in ranks],
+        "metadata_nbytes": {p: len(peer.agent_metadata) for p, peer in rt.driver.transport.peers.items()},
+        # who carried kvown traffic (NIXL WRITEs and notifications) in this world, as (from, to)
+        "traffic_pairs": [[W0, RX], [W1, RX], [RX, W0], [RX, W1]],
+        "verified_nbytes_pattern": sum(info["verified_nbytes"]["pattern"] for info in ranks),
+        "verified_nbytes_checksum": sum(info["verified_nbytes"]["checksum"] for info in ranks),
+        "layout": ARGS.layout, "device": ARGS.device, "block_nbytes": LAYOUT.block_nbytes,
+    }
+    if ARGS.out:
+        with open(ARGS.out, "w") as f:
+            json.dump(merged, f, indent=1)
+    print("KVOWN-RESULT " + json.dumps({"checks": merged, "figures": figures}), flush=True)
 comm.Barrier()
 rt.exit(0)
