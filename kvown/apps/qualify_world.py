@@ -110,6 +110,7 @@ def scenario(fn):
         fn(r)
     except Exception as exc:  # a scenario that raises fails its checks, not the whole world
         check(fn.__name__, **{f"raised_{type(exc).__name__}_on_rank{rank}": False})
+        print(f"kvown qualify: scenario {fn.__name__} raised on rank {rank}: {exc}", file=sys.stderr, flush=True)
     comm.Barrier()
     return fn
 
@@ -332,7 +333,12 @@ def checksummed_transfer(r):
             match = landed and got == sent
             if match:
                 verified_nbytes["checksum"] += n * LAYOUT.block_nbytes
-            rt.receiver.release(ids[w])
+            if landed:
+                rt.receiver.release(ids[w])
+            else:
+                rt.receiver.cancel(ids[w])
+                print(f"kvown qualify: checksummed transfer from writer {w} did not land: "
+                      f"{h.outcome.result(5) if h.outcome.done() else 'no outcome'}", file=sys.stderr, flush=True)
             check("checksummed_transfer", **{f"writer{w}_landed": landed, f"writer{w}_checksums_match": match,
                                              f"writer{w}_retired": h.retired.wait(5)})
     elif rank in (W0, W1):
@@ -341,8 +347,9 @@ def checksummed_transfer(r):
         for b in blocks:
             view = pool.block_view(b)
             view.copy_(torch.randint(0, 256, (view.numel(),), dtype=torch.uint8, generator=generator))
-        comm.send([checksum(pool.block_view(b)) for b in blocks], dest=RX, tag=17)
-        hs = rt.sender.send(ids[rank], blocks)
+        sums = [checksum(pool.block_view(b)) for b in blocks]
+        hs = rt.sender.send(ids[rank], blocks)  # before the MPI send: the receiver reads sums after landing
+        comm.send(sums, dest=RX, tag=17)
         check("checksummed_transfer", **{f"writer{rank}_released": hs.released.wait(10)})
 
 
