@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
 
 from kvown.core.deadline import timeout_ns_from_s
-from kvown.core.errors import ConfigError
+from kvown.core.errors import ConfigError, PeerProtocolError
 from kvown.core.machine import CoreConfig
+from kvown.core.messages import MAX_NBYTES, _digest, _int_in, _names, _rank, _short
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,43 @@ class PeerInfo:
                 self.aux_addr, self.geometry_digest, self.protocol_version, list(self.capabilities), self.mem_kind]
 
     @classmethod
-    def from_wire(cls, obj: list) -> PeerInfo:
+    def from_wire(cls, obj: Any) -> PeerInfo:
+        """Validate a peer's start-up record (the list ``to_wire`` made).
+
+        Called: once per peer at start-up, main thread. A peer's bytes are untrusted even inside one
+        job (another release, a bug), so every field is checked as a control frame's would be.
+        After error: ``PeerProtocolError`` naming the field; nothing was built.
+        """
+        if not isinstance(obj, (list, tuple)) or len(obj) != 10:
+            raise PeerProtocolError("peer info must be a list of 10 fields", field="peer_info")
         rank, name, md, pool_addr, pool_nbytes, aux_addr, digest, version, caps, mem = obj
-        return cls(rank, name, bytes(md), pool_addr, pool_nbytes, aux_addr, digest, version, tuple(caps), mem)
+        rank = _rank("rank", rank)  # fields in wire order, so the error names the first bad one
+        if type(name) is not str or not 0 < len(name) <= 256:
+            raise PeerProtocolError("agent name must be 1..256 characters", field="agent_name", value=_short(name))
+        # bytes(md) of an int would allocate md zero bytes: only real bytes pass.
+        if not isinstance(md, (bytes, bytearray)) or len(md) > _MAX_METADATA_NBYTES:
+            raise PeerProtocolError("agent metadata must be at most 1 MiB of bytes", field="agent_metadata")
+        pool_addr, aux_addr = _addr("pool_addr", pool_addr), _addr("aux_addr", aux_addr)
+        pool_nbytes = _int_in(1, MAX_NBYTES)("pool_nbytes", pool_nbytes)
+        digest, caps = _digest("geometry_digest", digest), _names("capabilities", caps)
+        if type(mem) is not str or mem not in ("DRAM", "VRAM"):
+            raise PeerProtocolError("memory kind must be DRAM or VRAM", field="mem_kind", value=_short(mem))
+        version = _int_in(0, 1 << 16)("protocol_version", version)
+        return cls(rank, name, bytes(md), pool_addr, pool_nbytes, aux_addr, digest, version, caps, mem)
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> PeerInfo:
+        """Decode the msgpack blob a peer published (``msgpack.packb(info.to_wire())``) and validate it.
+
+        Called: once per peer by ``connect_rendezvous``. After error: ``PeerProtocolError(field=...)``.
+        """
+        try:
+            obj = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_str_len=1024,
+                                  max_bin_len=_MAX_METADATA_NBYTES, max_array_len=64, max_map_len=0, max_ext_len=0)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            raise PeerProtocolError("peer info is not valid msgpack", field="peer_info") from None
+        return cls.from_wire(obj)
+
+
+_MAX_METADATA_NBYTES = 1 << 20  # NIXL metadata is ~0.5 KiB plus a few dozen bytes per registration
+_addr = _int_in(0, (1 << 64) - 1)
