@@ -20,8 +20,9 @@ Rules:
   2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
      SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
   3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed;
-     from anyone else it is a ``PeerProtocolError`` (and quarantines); for an unknown request or an
-     uncommitted session it is stale or unsolicited: ignored and counted.
+     from another writer of a live session it quarantines admission and is counted (``foreign_acks``);
+     for an unknown request or an uncommitted session it is stale or unsolicited: ignored and counted.
+     (Inputs that change state are never raised: a ``PeerProtocolError`` leaves the machine unchanged.)
   4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
   5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
@@ -320,12 +321,11 @@ class ReceiverCore(RankCore[ReceiveSession]):
 
     def _on_result(self, s: ReceiveSession, message: KvResult | AuxResult, now_ns: int, actions: list[Action]) -> None:
         writer = s.writers.get(message.writer_rank)
-        if writer is None:
+        if writer is None:  # rule 1: invalid evidence, disputed like the cases below. Not raised: a
+            # raise must leave the machine unchanged (errors rule 3), and the dispute is the point.
             self._dispute(s, f"result from unpublished writer {message.writer_rank}", now_ns)
-            raise PeerProtocolError(
-                "result from a writer outside the published set", field="writer_rank",
-                writer_rank=message.writer_rank, request_id=s.request_id,
-            )
+            self._count("invalid_evidence")
+            return
         key = ("aux" if isinstance(message, AuxResult) else "kv", message.piece)
         problem = self._result_problem(s, writer, key, message)
         if problem:
@@ -383,12 +383,10 @@ class ReceiverCore(RankCore[ReceiveSession]):
 
     def _on_quiesced(self, s: ReceiveSession, message: SessionQuiesced, now_ns: int, actions: list[Action]) -> None:
         writer = s.writers.get(message.writer_rank)
-        if writer is None:
+        if writer is None:  # rule 3: quarantine and count; not raised, for the same reason as above
             self.quarantined = self.quarantined or f"ack from unpublished writer {message.writer_rank}"
-            raise PeerProtocolError(
-                "SESSION_QUIESCED from a writer outside the published set", field="writer_rank",
-                writer_rank=message.writer_rank, request_id=s.request_id,
-            )
+            self._count("foreign_acks")
+            return
         if s.outcome is None or not writer.cancel_sent:
             self._count("unsolicited_acks")
             return
