@@ -6,7 +6,8 @@ libFuzzer's report (inputs, coverage, crashes), and the checked-in corpus (tests
     python -m kvown.testing.fuzz TARGET --runs N [--seed S] [--json OUT] [--mutant NAME]
     python -m kvown.testing.fuzz --list
     python -m kvown.testing.fuzz --write-seeds        # (re)write the seed files of every target
-    python -m kvown.testing.fuzz --replay TARGET FILE...   # run inputs once, print each outcome
+    python -m kvown.testing.fuzz TARGET --replay [FILE...] [--lines]   # run inputs once: outcomes,
+                                                           # or line coverage per kvown module
 
 Rules:
   1. The fuzzing runs in a child process: libFuzzer ends the process when its run count is reached or
@@ -194,6 +195,61 @@ def replay(target: str, paths: list[Path]) -> list[tuple[str, str]]:
     return [(str(p), one_input(p.read_bytes())) for p in paths]
 
 
+def line_coverage(target: str, paths: list[Path]) -> dict[str, tuple[int, int]]:
+    """Replay ``paths`` under a line tracer: ``{kvown module file: (lines run, executable lines)}``.
+
+    atheris reports edges of all instrumented code together; this says which modules a corpus
+    reaches, and how far. Called: by ``--replay --lines`` only (tracing is ~10x slower).
+    """
+    from kvown.testing.fuzz_targets import TARGETS
+
+    one_input = TARGETS[target].one_input
+    try:
+        one_input(b"")  # load the target's modules before tracing starts
+    except Exception:  # noqa: BLE001 - only a warm-up
+        pass
+    root = str(Path(__file__).resolve().parents[1])
+    hit: dict[str, set[int]] = {}
+
+    def tracer(frame: types.FrameType, event: str, _arg: Any) -> Any:
+        name = frame.f_code.co_filename
+        if not name.startswith(root) or "/testing/" in name:
+            return None
+        lines = hit.setdefault(name, set())
+
+        def local(frame: types.FrameType, event: str, _arg: Any) -> Any:
+            if event == "line":
+                lines.add(frame.f_lineno)
+            return local
+
+        return local
+
+    sys.settrace(tracer)
+    try:
+        for p in paths:
+            try:
+                one_input(p.read_bytes())
+            except Exception:  # noqa: BLE001 - coverage of a crashing input still counts
+                pass
+    finally:
+        sys.settrace(None)
+    out = {}
+    for name, lines in sorted(hit.items()):
+        module = compile(Path(name).read_text(), name, "exec")  # module-level lines ran at import: not counted
+        executable = set().union(*(_executable_lines(c) for c in module.co_consts if isinstance(c, types.CodeType)))
+        out[str(Path(name).relative_to(Path(root).parent))] = (len(lines & executable), len(executable))
+    return out
+
+
+def _executable_lines(code: types.CodeType) -> set[int]:
+    """Body lines of a function or class and everything nested in it (the ``def`` line itself excluded)."""
+    lines = {line for _, _, line in code.co_lines() if line is not None and line != code.co_firstlineno}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            lines |= _executable_lines(const)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -216,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--write-seeds", action="store_true")
     p.add_argument("--replay", action="store_true")
+    p.add_argument("--lines", action="store_true", help="with --replay: line coverage per kvown module")
     args = p.parse_intermixed_args(argv)
     if args.list:
         for name, t in sorted(TARGETS.items()):
@@ -227,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.target is None:
         p.error("name a target (see --list)")
     if args.replay:
-        for path, outcome in replay(args.target, args.files or sorted((CORPUS_ROOT / args.target).iterdir())):
+        paths = args.files or sorted((CORPUS_ROOT / args.target).iterdir())
+        if args.lines:
+            for name, (run, total) in line_coverage(args.target, paths).items():
+                print(f"{name:40} {run:5}/{total:<5} lines ({100 * run / total:.0f} %)")
+            return 0
+        for path, outcome in replay(args.target, paths):
             print(f"{outcome:40} {path}")
         return 0
     report = run_target(args.target, args.runs, seed=args.seed, max_len=args.max_len, mutant=args.mutant,

@@ -1,8 +1,8 @@
 """Coverage-guided fuzzing of the untrusted-bytes entry points (kvown.testing.fuzz, atheris).
 
 CI runs each target for ``CI_RUNS`` inputs (seconds); the ``slow`` test runs ``SLOW_RUNS`` per target
-and writes its figures to ``$KVOWN_FUZZ_REPORT`` when set (docs/reliability.md, "Fuzzing", quotes
-them). The mutant tests prove the harness can fail: each plants a bug the oracles must catch within
+and appends its figures (JSON lines) to ``$KVOWN_FUZZ_REPORT`` when set (docs/reliability.md,
+"Fuzzing", quotes them), keeping the inputs it found under ``$KVOWN_FUZZ_KEEP_CORPUS/<target>``. The mutant tests prove the harness can fail: each plants a bug the oracles must catch within
 the CI budget.
 """
 
@@ -59,8 +59,9 @@ def replay_outcome(target: str, data: bytes) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 def test_slow_budget_finds_no_crash(target, tmp_path):
+    keep = os.environ.get("KVOWN_FUZZ_KEEP_CORPUS")  # where to keep the inputs it found (for --lines)
     report = run_target(target, SLOW_RUNS, seed=int(os.environ.get("KVOWN_FUZZ_SEED", "1")), artifacts=tmp_path,
-                        timeout_s=1800)
+                        keep_corpus=Path(keep) / target if keep else None, timeout_s=1800)
     out = os.environ.get("KVOWN_FUZZ_REPORT")
     if out:
         with open(out, "a") as f:
