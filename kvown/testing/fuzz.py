@@ -66,7 +66,8 @@ def run_target(target: str, runs: int, *, seed: int = 1, max_len: int = DEFAULT_
         if corpus.is_dir():
             libfuzzer.append(str(corpus))
         cmd = [sys.executable, "-m", "kvown.testing.fuzz", "--child", target, "--mutant", mutant, "--", *libfuzzer]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(CORPUS_ROOT.parents[2]), os.environ.get("PYTHONPATH")])))
+        path = [str(CORPUS_ROOT.parents[2]), os.environ.get("PYTHONPATH", "")]  # this checkout's kvown first
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
         t0 = time.monotonic()
         try:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
@@ -196,10 +197,13 @@ def replay(target: str, paths: list[Path]) -> list[tuple[str, str]]:
 
 
 def line_coverage(target: str, paths: list[Path]) -> dict[str, tuple[int, int]]:
-    """Replay ``paths`` under a line tracer: ``{kvown module file: (lines run, executable lines)}``.
+    """Replay ``paths`` under a line tracer: ``{kvown module: (lines run, lines)}`` over the functions
+    of that module the corpus entered at all.
 
     atheris reports edges of all instrumented code together; this says which modules a corpus
-    reaches, and how far. Called: by ``--replay --lines`` only (tracing is ~10x slower).
+    reaches, and how deep it goes inside the functions it reaches (lines of functions it never enters,
+    e.g. the cores' local-event handlers, are not counted).
+    Called: by ``--replay --lines`` only (tracing is ~10x slower).
     """
     from kvown.testing.fuzz_targets import TARGETS
 
@@ -236,18 +240,24 @@ def line_coverage(target: str, paths: list[Path]) -> dict[str, tuple[int, int]]:
     out = {}
     for name, lines in sorted(hit.items()):
         module = compile(Path(name).read_text(), name, "exec")  # module-level lines ran at import: not counted
-        executable = set().union(*(_executable_lines(c) for c in module.co_consts if isinstance(c, types.CodeType)))
-        out[str(Path(name).relative_to(Path(root).parent))] = (len(lines & executable), len(executable))
+        run = total = 0
+        for body in _function_bodies(module):
+            if body & lines:  # only functions the corpus entered: how deep it went where it went
+                run, total = run + len(body & lines), total + len(body)
+        if total:
+            out[str(Path(name).relative_to(Path(root).parent))] = (run, total)
     return out
 
 
-def _executable_lines(code: types.CodeType) -> set[int]:
-    """Body lines of a function or class and everything nested in it (the ``def`` line itself excluded)."""
-    lines = {line for _, _, line in code.co_lines() if line is not None and line != code.co_firstlineno}
+def _function_bodies(code: types.CodeType) -> list[set[int]]:
+    """The body lines of every function nested in ``code`` (``def`` lines and nested bodies apart)."""
+    out = []
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            lines |= _executable_lines(const)
-    return lines
+            if not const.co_name.startswith("<") and const.co_flags & 0x2:  # CO_NEWLOCALS: a function
+                out.append({ln for _, _, ln in const.co_lines() if ln is not None and ln != const.co_firstlineno})
+            out += _function_bodies(const)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = args.files or sorted((CORPUS_ROOT / args.target).iterdir())
         if args.lines:
             for name, (run, total) in line_coverage(args.target, paths).items():
-                print(f"{name:40} {run:5}/{total:<5} lines ({100 * run / total:.0f} %)")
+                print(f"{name:40} {run:5}/{total:<5} lines of the functions entered ({100 * run / total:.0f} %)")
             return 0
         for path, outcome in replay(args.target, paths):
             print(f"{outcome:40} {path}")

@@ -243,7 +243,8 @@ def _check_stream_step(before: Any, streams: InboundStreams, envelope: Envelope,
     nothing came out means it was held (one more held frame) or a duplicate (one more duplicate)."""
     if delivered:
         seqs = [e.seq for e in delivered]
-        if any(e.src_rank != envelope.src_rank for e in delivered) or seqs != list(range(seqs[0], seqs[0] + len(seqs))):
+        consecutive = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        if any(e.src_rank != envelope.src_rank for e in delivered) or not consecutive:
             raise FuzzFinding(f"streams delivered out of order: {seqs}")
         if delivered[0] is not envelope:
             raise FuzzFinding("streams delivered something before the envelope that filled the gap")
@@ -252,7 +253,8 @@ def _check_stream_step(before: Any, streams: InboundStreams, envelope: Envelope,
     if snapshot(fresh) != before:
         raise FuzzFinding("frame fixture is not reproducible")  # INV-FZ1
     held_grew = streams.held_count() == fresh.held_count() + 1 and streams.duplicates == fresh.duplicates
-    duplicate = streams.duplicates == fresh.duplicates + 1 and snapshot(_with_duplicates(streams, fresh.duplicates)) == before
+    duplicate = (streams.duplicates == fresh.duplicates + 1
+                 and snapshot(_with_duplicates(streams, fresh.duplicates)) == before)
     if not (held_grew or duplicate):
         raise FuzzFinding("streams neither delivered, held nor counted a duplicate")
 
@@ -349,7 +351,8 @@ def core_one_input(data: bytes) -> str:
             continue
         for env in delivered:
             m = env.message  # route exactly as Engine._frame does
-            cores = (tx, rx) if isinstance(m, Watermark) else (tx,) if isinstance(m, (RequestData, CancelSession)) else (rx,)
+            to_sender = isinstance(m, (RequestData, CancelSession))
+            cores = (tx, rx) if isinstance(m, Watermark) else (tx,) if to_sender else (rx,)
             for core in cores:
                 outcomes.append(_handle_one(core, MessageReceived(env)))
     return ",".join(outcomes) or "empty"
@@ -598,7 +601,7 @@ def rendezvous_client_one_input(data: bytes) -> str:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("frame", frame_one_input, "one sealed control frame: codec.decode, check_hello, InboundStreams.deliver"),
+        Target("frame", frame_one_input, "one sealed frame: codec.decode, check_hello, InboundStreams.deliver"),
         Target("core", core_one_input, "sealed frames through streams into the sender and receiver cores"),
         Target("peer_info", peer_info_one_input, "a peer's start-up blob: PeerInfo.from_blob, check_peer"),
         Target("rendezvous_server", rendezvous_server_one_input, "one connection to the rendezvous server"),

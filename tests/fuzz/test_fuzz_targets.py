@@ -2,8 +2,9 @@
 
 CI runs each target for ``CI_RUNS`` inputs (seconds); the ``slow`` test runs ``SLOW_RUNS`` per target
 and appends its figures (JSON lines) to ``$KVOWN_FUZZ_REPORT`` when set (docs/reliability.md,
-"Fuzzing", quotes them), keeping the inputs it found under ``$KVOWN_FUZZ_KEEP_CORPUS/<target>``. The mutant tests prove the harness can fail: each plants a bug the oracles must catch within
-the CI budget.
+"Fuzzing", quotes them), keeping the inputs it found under ``$KVOWN_FUZZ_KEEP_CORPUS/<target>``.
+The mutant tests prove the harness can fail: each plants a bug the oracles must catch within the CI
+budget.
 """
 
 from __future__ import annotations
