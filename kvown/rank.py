@@ -376,8 +376,7 @@ def connect_rendezvous(
     peers = {}
     for other in world_ranks:
         if other != rank:
-            blob = rendezvous.lookup(address, f"rank{other}", key, timeout_s)
-            peers[other] = PeerInfo.from_wire(msgpack.unpackb(blob))
+            peers[other] = PeerInfo.from_blob(rendezvous.lookup(address, f"rank{other}", key, timeout_s))
     local.transport.connect(peers)
     rt = _start(local, peers, key, world)
     rt._install_exit_hooks(excepthook=world is not None)

@@ -276,18 +276,29 @@ class RendezvousServer:
 def _request(addr: tuple[str, int], key: bytes, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     with socket.create_connection(addr, timeout=timeout_s) as sock:
-        hello = _recv_frame(sock, key, b"", FrameKind.HELLO, deadline)
-        challenge = hello.get("challenge")
-        if not isinstance(challenge, bytes) or len(challenge) != CHALLENGE_NBYTES:
-            raise PeerProtocolError("bad challenge", field="challenge")
-        _send_frame(sock, key, challenge, FrameKind.REQUEST, body)
-        reply = _recv_frame(sock, key, challenge, FrameKind.RESPONSE, deadline)  # INV-RV-2
+        return _exchange(sock, key, body, deadline)
+
+
+def _exchange(sock: socket.socket, key: bytes, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """One request on a connected socket: read HELLO, send the request bound to its challenge, read and
+    check the reply. Split from ``_request`` so the fuzz targets can drive it without a socket."""
+    hello = _recv_frame(sock, key, b"", FrameKind.HELLO, deadline)
+    challenge = hello.get("challenge")
+    if not isinstance(challenge, bytes) or len(challenge) != CHALLENGE_NBYTES:
+        raise PeerProtocolError("bad challenge", field="challenge")
+    _send_frame(sock, key, challenge, FrameKind.REQUEST, body)
+    reply = _recv_frame(sock, key, challenge, FrameKind.RESPONSE, deadline)  # INV-RV-2
     code = _get(reply, "code", int)
     if code not in {r.value for r in Reply}:
         raise PeerProtocolError("unknown reply code", field="code", code=code)
     if code == Reply.REJECTED:
         raise PeerProtocolError("rendezvous server rejected the request", field=str(reply.get("field")))
     return reply
+
+
+def _blob_of(reply: dict[str, Any]) -> bytes | None:
+    """A checked lookup reply's blob, or None for NOT_FOUND. Raises ``PeerProtocolError(field="blob")``."""
+    return _check_blob(reply.get("blob")) if reply["code"] == Reply.OK else None
 
 
 def _check_local(name: Any, blob: Any = b"") -> None:
@@ -337,6 +348,7 @@ def lookup(addr: tuple[str, int], name: str, key: bytes, timeout_s: float, poll_
         except (OSError, TimeoutError) as e:
             last = e
         else:
-            if reply["code"] == Reply.OK:
-                return _check_blob(reply.get("blob"))
+            blob = _blob_of(reply)
+            if blob is not None:
+                return blob
         time.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))

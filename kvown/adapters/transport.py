@@ -31,7 +31,20 @@ from kvown.adapters.nixl import MemKind, NixlEndpoint, XferHandle, XferStatus
 from kvown.cache.space import BlockSpace
 from kvown.core.actions import PieceKind, PostWrite
 from kvown.core.errors import AdapterError, KvownError, PeerProtocolError
-from kvown.core.messages import CAPABILITIES, MAX_RANK, PROTOCOL_VERSION, Hello, check_hello
+from kvown.core.messages import (
+    CAPABILITIES,
+    PROTOCOL_VERSION,
+    Hello,
+    _digest,
+    _int_in,
+    _names,
+    _rank,
+    _short,
+    check_hello,
+)
+
+
+MAX_METADATA_NBYTES = 1 << 20  # NIXL metadata is ~0.5 KiB plus a few dozen bytes per registration
 
 
 class Role(enum.Enum):
@@ -63,39 +76,50 @@ class PeerInfo:
 
     @classmethod
     def from_wire(cls, obj: Any) -> PeerInfo:
-        """A peer's record from untrusted bytes' decoded form. Raises ``PeerProtocolError(field=...)``."""
-        names = ("rank", "agent_name", "agent_metadata", "space", "aux_addr", "aux_slot_nbytes",
-                 "geometry_digest", "protocol_version", "capabilities", "roles")
-        if not isinstance(obj, (list, tuple)) or len(obj) != len(names):
-            raise PeerProtocolError("peer record must be a list of 10 fields", field="peer_info")
-        raw = dict(zip(names, obj))
-        for name in ("rank", "aux_addr", "aux_slot_nbytes", "protocol_version"):
-            value = raw[name]
-            if type(value) is not int or not 0 <= value < 1 << 63:
-                raise PeerProtocolError("expected a non-negative integer", field=name, value=repr(value)[:40])
-        if raw["rank"] > MAX_RANK:
-            raise PeerProtocolError("rank out of range", field="rank", value=raw["rank"])
-        name = raw["agent_name"]
+        """Validate a peer's start-up record (the list ``to_wire`` made).
+
+        Called: once per peer at start-up, main thread. A peer's bytes are untrusted even inside one
+        job (another release, a bug), so every field is checked as a control frame's would be, in
+        wire order so the error names the first bad one.
+        After error: ``PeerProtocolError`` naming the field; nothing was built.
+        """
+        if not isinstance(obj, (list, tuple)) or len(obj) != 10:
+            raise PeerProtocolError("peer info must be a list of 10 fields", field="peer_info")
+        rank, name, metadata, space, aux_addr, aux_slot_nbytes, digest, version, caps, roles = obj
+        rank = _rank("rank", rank)
         if type(name) is not str or not 0 < len(name) <= 256:
-            raise PeerProtocolError("agent name must be a short non-empty string", field="agent_name")
-        metadata = raw["agent_metadata"]
-        if not isinstance(metadata, (bytes, bytearray)) or not metadata:
-            raise PeerProtocolError("agent metadata must be non-empty bytes", field="agent_metadata")
-        digest = raw["geometry_digest"]
-        if type(digest) is not str or len(digest) != 64:
-            raise PeerProtocolError("expected a sha256 hex digest", field="geometry_digest")
-        caps = raw["capabilities"]
-        if not isinstance(caps, (list, tuple)) or not all(type(c) is str and 0 < len(c) <= 32 for c in caps):
-            raise PeerProtocolError("capabilities must be short strings", field="capabilities")
-        roles = raw["roles"]
+            raise PeerProtocolError("agent name must be 1..256 characters", field="agent_name", value=_short(name))
+        # bytes(metadata) of an int would allocate that many zero bytes: only real bytes pass.
+        if not isinstance(metadata, (bytes, bytearray)) or not 0 < len(metadata) <= MAX_METADATA_NBYTES:
+            raise PeerProtocolError("agent metadata must be 1 B .. 1 MiB of bytes", field="agent_metadata")
+        block_space = BlockSpace.from_wire(space)
+        aux_addr = _int_in(0, (1 << 64) - 1)("aux_addr", aux_addr)
+        aux_slot_nbytes = _int_in(1, 1 << 20)("aux_slot_nbytes", aux_slot_nbytes)
+        digest, version = _digest("geometry_digest", digest), _int_in(0, 1 << 16)("protocol_version", version)
+        caps = _names("capabilities", caps)
         try:
-            role_set = frozenset(Role(r) for r in roles) if isinstance(roles, (list, tuple)) else None
-        except ValueError:
-            role_set = None
-        if not role_set:
-            raise PeerProtocolError("roles must name sender and/or receiver", field="roles")
-        return cls(raw["rank"], name, bytes(metadata), BlockSpace.from_wire(raw["space"]), raw["aux_addr"],
-                   raw["aux_slot_nbytes"], digest, raw["protocol_version"], tuple(caps), role_set)
+            role_set = frozenset(Role(r) for r in roles) if isinstance(roles, (list, tuple)) else frozenset()
+        except (ValueError, TypeError):
+            role_set = frozenset()
+        if not role_set or len(roles) > 2:
+            raise PeerProtocolError("roles must name sender and/or receiver", field="roles", value=_short(roles))
+        return cls(rank, name, bytes(metadata), block_space, aux_addr, aux_slot_nbytes, digest, version, caps, role_set)
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> PeerInfo:
+        """Decode the msgpack blob a peer published (``msgpack.packb(info.to_wire())``) and validate it.
+
+        Called: once per peer by ``connect_rendezvous``. After error: ``PeerProtocolError(field=...)``.
+        """
+        import msgpack
+
+        try:
+            obj = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_str_len=1024,
+                                  max_bin_len=MAX_METADATA_NBYTES, max_array_len=64 * 1024, max_map_len=0,
+                                  max_ext_len=0)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            raise PeerProtocolError("peer info is not valid msgpack", field="peer_info") from None
+        return cls.from_wire(obj)
 
     def hello(self) -> Hello:
         return Hello(self.rank, self.protocol_version, self.capabilities, self.geometry_digest)

@@ -89,6 +89,10 @@ class BlockSpace:
             region.check(error)
         if type(self.num_blocks) is not int or not 0 < self.num_blocks < 1 << 31:
             raise error("num_blocks out of range", field="num_blocks", value=self.num_blocks)
+        for region in self.regions:  # every chunk's address must fit 64 bits (no silent wrap-around)
+            if region.base_addr + self.num_blocks * region.stride_nbytes > 1 << 64:
+                raise error("region extends past the 64-bit address space", field="regions",
+                            base_addr=region.base_addr, stride_nbytes=region.stride_nbytes)
         if self.mem not in _MEMS:
             raise error("mem must be DRAM or VRAM", field="mem", value=self.mem)
         if type(self.device_id) is not int or not 0 <= self.device_id < 1 << 16:

@@ -111,8 +111,8 @@ class ReleaseSource(Action):
 
 @dataclass(frozen=True, slots=True)
 class Disputed(Action):
-    """Receiver: a peer's evidence cannot be honest (see receiver rule 1). The session will never retire
-    and this rank's admission is quarantined; the driver records and counts it. Nothing to execute."""
+    """Receiver: a peer's evidence cannot be honest (receiver rules 1 and 3). Admission is quarantined
+    and, for an invalid result, the session will never retire. The driver records and counts it."""
 
     request_id: int
     reason: str

@@ -28,9 +28,11 @@ Rules:
      the slice can still deliver it.
   2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
      SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
-  3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed;
-     from anyone else it is invalid evidence (rule 1); for an unknown request or an uncommitted
-     session it is stale or unsolicited: ignored and counted.
+  3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed.
+     From a rank outside the published set it cannot be honest, but it claims nothing either: admission
+     is quarantined (counted as ``foreign_acks``, reported with a ``Disputed`` action) and the session
+     itself is left as it was. For an unknown request or an uncommitted session it is stale or
+     unsolicited: ignored and counted.
   4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
   5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
@@ -388,8 +390,11 @@ class ReceiverCore(RankCore[ReceiveSession]):
 
     def _on_quiesced(self, s: ReceiveSession, message: SessionQuiesced, now_ns: int, actions: list[Action]) -> None:
         writer = s.writers.get(message.writer_rank)
-        if writer is None:
-            self._dispute(s, f"SESSION_QUIESCED from unpublished writer {message.writer_rank}", now_ns, actions)
+        if writer is None:  # rule 3: quarantine, but the session's own evidence is untouched
+            why = f"SESSION_QUIESCED from unpublished writer {message.writer_rank} for request {s.request_id}"
+            self.quarantined = self.quarantined or why
+            self._count("foreign_acks")
+            actions.append(Disputed(s.request_id, why))
             return
         if s.outcome is None or not writer.cancel_sent:
             self._count("unsolicited_acks")
