@@ -1,7 +1,7 @@
 """The reference server's model and the KV memory it owns: a tiny decoder-only transformer with random
 weights from a fixed seed, a byte tokenizer, vLLM-style paged KV tensors and the server's block allocator.
 
-Owns: ``ModelConfig``, ``ByteTokenizer``, ``BlockAllocator`` (the server's one allocator), ``PagedKVCache``
+Owns: ``ModelConfig``, ``BlockAllocator`` (the server's one allocator), ``PagedKVCache``
 (per-layer ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensors and the byte chunks of a block),
 ``TinyLM`` (RMSNorm, RoPE, grouped-query attention, SwiGLU) and ``sample``.
 
@@ -31,12 +31,16 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+from kvown.apps.serve.protocol import ByteTokenizer
 from kvown.core.errors import ConfigError, LocalProtocolError
+
+__all__ = ["OUTPUT_IDS", "BlockAllocator", "ByteTokenizer", "ModelConfig", "OutOfBlocks", "PagedKVCache",
+           "TinyLM", "generate_reference", "sample"]
 
 OUTPUT_IDS: tuple[int, ...] = (10, *range(32, 127))  # newline + printable ASCII (rule 4)
 
@@ -71,16 +75,6 @@ class ModelConfig:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes in, bytes out. Generated ids are ASCII (rule 4), so ``decode`` of them is lossless."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
 
 
 class OutOfBlocks(Exception):
