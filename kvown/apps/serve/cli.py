@@ -45,6 +45,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch threads for the model")
     s.add_argument("--landing-timeout", type=float, default=30.0, help="decode: seconds to wait for the KV")
     s.add_argument("--publish-timeout", type=float, default=30.0, help="prefill: seconds to keep unclaimed KV")
+    s.add_argument("--link-pace-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow fabric
 
 
 def _cluster_options(p: argparse.ArgumentParser, *, etcd_required: bool) -> None:
@@ -71,7 +72,7 @@ def _run_server(role: str, argv: list[str]) -> int:
                              port=a.port, etcd=a.etcd, cluster=a.cluster, num_blocks=a.num_blocks,
                              device=a.device, threads=a.threads, max_prompt_tokens=a.max_prompt_tokens,
                              landing_timeout_s=a.landing_timeout, publish_timeout_s=a.publish_timeout,
-                             lease_ttl_s=a.lease_ttl))
+                             lease_ttl_s=a.lease_ttl, link_pace_s=a.link_pace_ms / 1000))
 
 
 def _run_router(argv: list[str]) -> int:

@@ -234,6 +234,13 @@ def now_s() -> int:
     return int(time.time())
 
 
+async def disconnected(request: Any) -> None:
+    """Return when the HTTP client disconnects. Only after the body was read (then that is the only
+    message left), and only until a response starts (which listens for it itself)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def cluster_prefix(cluster: str) -> str:
     """The etcd prefix every server of one cluster registers under."""
     return f"/kvown/serve/{cluster}/"

@@ -71,6 +71,7 @@ class Router:
         self.directory: PrefixWatcher | None = None
         self.registration: Registration | None = None
         self.client: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task[Any]] = set()
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.requests = Counter("kvown_router_requests", "requests by outcome", ["outcome"], registry=self.registry)
@@ -143,21 +144,23 @@ class Router:
             await self.client.post(f"http://{prefill.http}/internal/abort", json={"request_id": request_id},
                                    timeout=self.config.connect_timeout_s)
 
-    async def completion(self, request: Request, t0: float) -> Response:
+    async def completion(self, request: Request, raw: bytes, t0: float) -> Response:
         assert self.client is not None
-        body = api.parse_body(await request.body())
+        body = api.parse_body(raw)
         prefill, decode = self.pick()
         job = api.validate(body, self.limits(decode))
         request_id = self._next_id()
         with self._lock:
             self.inflight[decode.name] = self.inflight.get(decode.name, 0) + 1
         handed_over = False  # once the stream owns the decode slot, its generator gives it back
+        prefill_called = False
 
         def done_with_decode() -> None:
             with self._lock:
                 self.inflight[decode.name] -= 1
 
         try:
+            prefill_called = True
             await self._prefill(prefill, job, request_id)  # the first token reaches decode as the link's aux
             upstream_body = {**job.to_json(), "kv_transfer": {"request_id": request_id, "prefill": prefill.name}}
             upstream = self.client.build_request("POST", f"http://{decode.http}/internal/decode", json=upstream_body)
@@ -187,9 +190,21 @@ class Router:
             handed_over = True
             return ClosingStream(self._relay(response, decode.name, t0, done_with_decode),
                                  on_close=lambda: None, media_type="text/event-stream")
+        except asyncio.CancelledError:
+            # The client left before the stream started (rule 2). The cancelled upstream call closed its
+            # connection, so a decode server cancels through its link; the prefill server is told to
+            # drop the source blocks now rather than at its publication deadline.
+            if prefill_called:
+                self._detach(self._abort(prefill, request_id))
+            raise
         finally:
             if not handed_over:
                 done_with_decode()
+
+    def _detach(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prefill(self, prefill: RankInfo, job: api.Job, request_id: int) -> int:
         assert self.client is not None
@@ -253,13 +268,28 @@ class Router:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             t0 = time.perf_counter()
-            try:
-                return await self.completion(request, t0)
-            except api.ApiError as error:
-                self.requests.labels("rejected" if error.status < 500 else "failed").inc()
-                return error_response(error)
+            body = await request.body()
+            work = asyncio.create_task(self._answer(request, body, t0))
+            gone = asyncio.create_task(api.disconnected(request))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                gone.cancel()  # the response (maybe a stream) listens for the disconnect from here on
+                return work.result()
+            work.cancel()  # rule 2: cancel the upstream calls while the client is gone
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            self.requests.labels("cancelled").inc()
+            return Response(status_code=499)
 
         return app
+
+    async def _answer(self, request: Request, body: bytes, t0: float) -> Response:
+        try:
+            return await self.completion(request, body, t0)
+        except api.ApiError as error:
+            self.requests.labels("rejected" if error.status < 500 else "failed").inc()
+            return error_response(error)
+
 
 
 def _as_api_error(status: int, raw: bytes, upstream: str) -> api.ApiError:

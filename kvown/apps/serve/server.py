@@ -73,6 +73,7 @@ class ServeConfig:
     landing_timeout_s: float = 30.0
     publish_timeout_s: float = 30.0
     lease_ttl_s: int = 3
+    link_pace_s: float = 0.0  # tests only: a slow fabric (sleep between DATA frames), to cancel mid-transfer
 
 
 class ClientGone(Exception):
@@ -116,6 +117,7 @@ class Server:
         if config.role != "single":
             self.link = KVLink(config.name, self.cache, on_returned=self._link_returned, resolve=self._resolve,
                                host=config.host, publish_timeout_s=config.publish_timeout_s)
+            self.link.pace_s = config.link_pace_s
         self.directory: PrefixWatcher | None = None
         self.registration: Registration | None = None
         self.inflight = 0
@@ -384,15 +386,18 @@ class Server:
         self.alloc.lend(dest)
         try:
             handle = await asyncio.to_thread(self._open, req, dest, writer)
-            deadline = time.monotonic() + self.config.landing_timeout_s
             landed = asyncio.wrap_future(handle.landed)
-            while not landed.done():
-                await asyncio.wait({landed}, timeout=0.1)
-                if await request.is_disconnected():
-                    raise ClientGone
-                if time.monotonic() > deadline:
-                    raise api.ApiError(504, f"KV did not land within {self.config.landing_timeout_s} s",
-                                       kind="server_error", code="kv_timeout")
+            gone = asyncio.ensure_future(api.disconnected(request))
+            try:
+                await asyncio.wait({landed, gone}, timeout=self.config.landing_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()  # from here on the response listens for the disconnect
+            if not landed.done():
+                if gone.done() and not gone.cancelled():
+                    raise ClientGone  # cancel now, mid-transfer if need be (rule 2)
+                raise api.ApiError(504, f"KV did not land within {self.config.landing_timeout_s} s",
+                                   kind="server_error", code="kv_timeout")
             aux = landed.result()
         except TransferFailed as error:
             self._finish(req)
