@@ -62,8 +62,9 @@ def _get(obj: Any, name: str, kind: type | tuple[type, ...], where: str, default
         return None
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise PeerProtocolError("etcd field has the wrong type", field=f"{where}.{name}",
-                                value=type(value).__name__)
+        raise PeerProtocolError(
+            "etcd field has the wrong type", field=f"{where}.{name}", value=type(value).__name__
+        )
     return value
 
 
@@ -136,8 +137,12 @@ class EtcdClient:
 
     def __init__(self, endpoint: str, *, timeout_s: float = 2.0) -> None:
         if not re.fullmatch(r"https?://[A-Za-z0-9.\-\[\]:]+", endpoint):
-            raise ConfigError("etcd endpoint must look like http://host:port", field="endpoint",
-                              value=endpoint, fix="pass e.g. --etcd http://127.0.0.1:2379")
+            raise ConfigError(
+                "etcd endpoint must look like http://host:port",
+                field="endpoint",
+                value=endpoint,
+                fix="pass e.g. --etcd http://127.0.0.1:2379",
+            )
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
         self._http = httpx.Client(base_url=self.endpoint, timeout=timeout_s)
@@ -155,19 +160,28 @@ class EtcdClient:
         try:
             response = self._http.post(path, json=dict(body))
         except httpx.HTTPError as error:
-            raise AdapterError("etcd request failed", cause=error, endpoint=self.endpoint, path=path) from error
+            raise AdapterError(
+                "etcd request failed", cause=error, endpoint=self.endpoint, path=path
+            ) from error
         if len(response.content) > MAX_RESPONSE_NBYTES:
             raise PeerProtocolError("etcd response too large", field=path, nbytes=len(response.content))
         try:
             data = response.json()
         except ValueError as error:
-            raise PeerProtocolError("etcd response is not JSON", field=path, status=response.status_code) from error
+            raise PeerProtocolError(
+                "etcd response is not JSON", field=path, status=response.status_code
+            ) from error
         if not isinstance(data, dict):
             raise PeerProtocolError("etcd response is not an object", field=path)
         if response.status_code != 200:
             message = data.get("message") or data.get("error")
-            raise AdapterError("etcd refused the request", endpoint=self.endpoint, path=path,
-                               status=response.status_code, detail=str(message)[:200])
+            raise AdapterError(
+                "etcd refused the request",
+                endpoint=self.endpoint,
+                path=path,
+                status=response.status_code,
+                detail=str(message)[:200],
+            )
         return data
 
     def health(self) -> bool:
@@ -209,7 +223,9 @@ class EtcdClient:
     def put(self, key: str, value: bytes, *, lease_id: int = 0) -> int:
         """Write ``key``; returns the new revision."""
         if len(value) > MAX_VALUE_NBYTES:
-            raise ConfigError("etcd value too large", field="value", nbytes=len(value), limit=MAX_VALUE_NBYTES)
+            raise ConfigError(
+                "etcd value too large", field="value", nbytes=len(value), limit=MAX_VALUE_NBYTES
+            )
         body: dict[str, Any] = {"key": _enc(_check_key(key)), "value": _enc(value)}
         if lease_id:
             body["lease"] = lease_id
@@ -238,15 +254,22 @@ class EtcdClient:
             found[_key(kv, where)] = _b64(kv, "value", where, limit=MAX_VALUE_NBYTES)
         return found, revision
 
-    def watch_prefix(self, prefix: str, *, start_revision: int, read_timeout_s: float,
-                     stop: threading.Event) -> Iterator[WatchEvent]:
+    def watch_prefix(
+        self, prefix: str, *, start_revision: int, read_timeout_s: float, stop: threading.Event
+    ) -> Iterator[WatchEvent]:
         """Stream the events under ``prefix`` from ``start_revision`` until ``stop`` is set.
 
         Called: by one watcher thread. The stream is read with ``read_timeout_s``; a stream quiet for
         that long simply ends, so the caller re-snapshots (rule 4). Ownership: none.
         """
-        body = {"create_request": {"key": _enc(_check_key(prefix)), "range_end": _prefix_end(prefix),
-                                   "start_revision": start_revision, "progress_notify": True}}
+        body = {
+            "create_request": {
+                "key": _enc(_check_key(prefix)),
+                "range_end": _prefix_end(prefix),
+                "start_revision": start_revision,
+                "progress_notify": True,
+            }
+        }
         timeout = httpx.Timeout(self.timeout_s, read=read_timeout_s)
         try:
             with self._http.stream("POST", "/v3/watch", json=body, timeout=timeout) as response:
@@ -290,8 +313,9 @@ def _parse_watch_line(line: bytes) -> Iterator[WatchEvent]:
     if result is None:
         raise PeerProtocolError("etcd watch line has no result", field="watch.result")
     if _get(result, "canceled", bool, "watch.result", default=False):
-        raise AdapterError("etcd cancelled the watch (compacted?)",
-                           reason=str(result.get("cancel_reason", ""))[:200])
+        raise AdapterError(
+            "etcd cancelled the watch (compacted?)", reason=str(result.get("cancel_reason", ""))[:200]
+        )
     for i, event in enumerate(_get(result, "events", list, "watch.result", default=[])):
         where = f"watch.events[{i}]"
         kind = _get(event, "type", str, where, default="PUT")
@@ -302,8 +326,9 @@ def _parse_watch_line(line: bytes) -> Iterator[WatchEvent]:
             raise PeerProtocolError("etcd event has no kv", field=f"{where}.kv")
         key = _key(kv, f"{where}.kv")
         value = _b64(kv, "value", f"{where}.kv", limit=MAX_VALUE_NBYTES) if kind == "PUT" else b""
-        yield WatchEvent("put" if kind == "PUT" else "delete", key, value,
-                         _int64(kv, "mod_revision", f"{where}.kv"))
+        yield WatchEvent(
+            "put" if kind == "PUT" else "delete", key, value, _int64(kv, "mod_revision", f"{where}.kv")
+        )
 
 
 # ------------------------------------------------------------------------------------------ rank info
@@ -330,9 +355,19 @@ class RankInfo:
 
     def encode(self) -> bytes:
         self.validate(self)
-        return json.dumps({"v": 1, "name": self.name, "role": self.role, "pid": self.pid,
-                           "started_ns": self.started_ns, "http": self.http, "link": self.link,
-                           "meta": dict(self.meta)}, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "v": 1,
+                "name": self.name,
+                "role": self.role,
+                "pid": self.pid,
+                "started_ns": self.started_ns,
+                "http": self.http,
+                "link": self.link,
+                "meta": dict(self.meta),
+            },
+            sort_keys=True,
+        ).encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> RankInfo:
@@ -350,9 +385,15 @@ class RankInfo:
         meta = data.get("meta", {})
         if not isinstance(meta, dict) or len(meta) > 64:
             raise PeerProtocolError("rank info meta must be a small object", field="meta")
-        info = cls(name=data.get("name"), role=data.get("role"), pid=data.get("pid"),
-                   started_ns=data.get("started_ns"), http=data.get("http", ""),
-                   link=data.get("link", ""), meta=meta)
+        info = cls(
+            name=data.get("name"),
+            role=data.get("role"),
+            pid=data.get("pid"),
+            started_ns=data.get("started_ns"),
+            http=data.get("http", ""),
+            link=data.get("link", ""),
+            meta=meta,
+        )
         cls.validate(info)
         return info
 
@@ -375,7 +416,9 @@ class RankInfo:
         for key, value in info.meta.items():
             if not isinstance(key, str) or not _NAME_RE.fullmatch(key):
                 raise PeerProtocolError("bad meta key", field="meta", value=str(key)[:40])
-            ok = (type(value) is int and abs(value) < 1 << 63) or (isinstance(value, str) and len(value) <= 512)
+            ok = (type(value) is int and abs(value) < 1 << 63) or (
+                isinstance(value, str) and len(value) <= 512
+            )
             if not ok:
                 raise PeerProtocolError("meta values are short strings or int64", field=f"meta.{key}")
 
@@ -392,8 +435,15 @@ class Registration:
     After error: ``start`` raises ``AdapterError`` when etcd is unreachable; nothing is left behind.
     """
 
-    def __init__(self, endpoint: str, prefix: str, info: RankInfo, *, ttl_s: int = 5,
-                 on_lost: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        prefix: str,
+        info: RankInfo,
+        *,
+        ttl_s: int = 5,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self.key = _check_key(prefix + info.name)
         self._endpoint, self._info, self._ttl_s, self._on_lost = endpoint, info, ttl_s, on_lost
         self._stop = threading.Event()
@@ -404,8 +454,9 @@ class Registration:
         with EtcdClient(self._endpoint) as client:
             self.lease_id = client.grant_lease(self._ttl_s)
             client.put(self.key, self._info.encode(), lease_id=self.lease_id)
-        self._thread = threading.Thread(target=self._keep_alive, name=f"etcd-lease-{self._info.name}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._keep_alive, name=f"etcd-lease-{self._info.name}", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -444,9 +495,16 @@ class PrefixWatcher:
     the new snapshot are reported deleted (INV-REG-2), so nothing is missed for good (rule 4).
     """
 
-    def __init__(self, endpoint: str, prefix: str, *, on_put: Callable[[RankInfo], None] | None = None,
-                 on_delete: Callable[[str], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None, read_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        prefix: str,
+        *,
+        on_put: Callable[[RankInfo], None] | None = None,
+        on_delete: Callable[[str], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        read_timeout_s: float = 5.0,
+    ) -> None:
         self._endpoint, self._prefix = endpoint, _check_key(prefix)
         self._on_put, self._on_delete, self._on_error = on_put, on_delete, on_error
         self._read_timeout_s = read_timeout_s
@@ -481,13 +539,14 @@ class PrefixWatcher:
             self._on_error(error)
 
     def _apply(self, kind: str, key: str, value: bytes) -> None:
-        name = key[len(self._prefix):]
+        name = key[len(self._prefix) :]
         if kind == "put":
             try:
                 info = RankInfo.parse(value)
                 if info.name != name:
-                    raise PeerProtocolError("rank info name differs from its key", field="name",
-                                            key=key, value=info.name)
+                    raise PeerProtocolError(
+                        "rank info name differs from its key", field="name", key=key, value=info.name
+                    )
             except PeerProtocolError as error:
                 self._report(error)
                 kind = "delete"  # a malformed value replaces whatever was there: treat as gone
@@ -508,14 +567,18 @@ class PrefixWatcher:
             while not self._stop.is_set():
                 try:
                     found, revision = client.get_prefix(self._prefix)
-                    for gone in set(self.snapshot()) - {k[len(self._prefix):] for k in found}:
+                    for gone in set(self.snapshot()) - {k[len(self._prefix) :] for k in found}:
                         self._apply("delete", self._prefix + gone, b"")
                     for key, value in found.items():
                         self._apply("put", key, value)
                     self._synced.set()
                     backoff_s = 0.05
-                    for event in client.watch_prefix(self._prefix, start_revision=revision + 1,
-                                                     read_timeout_s=self._read_timeout_s, stop=self._stop):
+                    for event in client.watch_prefix(
+                        self._prefix,
+                        start_revision=revision + 1,
+                        read_timeout_s=self._read_timeout_s,
+                        stop=self._stop,
+                    ):
                         self._apply(event.kind, event.key, event.value)
                 except (AdapterError, PeerProtocolError) as error:
                     if self._stop.is_set():

@@ -28,8 +28,16 @@ def etcd():
 
 
 def _info(name: str, role: str = "prefill", **kw) -> RankInfo:
-    return RankInfo(name=name, role=role, pid=123, started_ns=456, http="127.0.0.1:8000",
-                    link="127.0.0.1:9000", meta={"num_layers": 2, "dtype": "float32"}, **kw)
+    return RankInfo(
+        name=name,
+        role=role,
+        pid=123,
+        started_ns=456,
+        http="127.0.0.1:8000",
+        link="127.0.0.1:9000",
+        meta={"num_layers": 2, "dtype": "float32"},
+        **kw,
+    )
 
 
 def _wait(predicate, timeout_s: float = 10.0) -> bool:
@@ -71,8 +79,12 @@ def test_lease_expiry_deletes_key_and_keepalive_keeps_it(etcd):
 
 def test_watcher_sees_put_and_dead_rank_without_deadline(etcd):
     events: list[tuple[str, str]] = []
-    watcher = PrefixWatcher(etcd, "/t3/", on_put=lambda i: events.append(("put", i.name)),
-                            on_delete=lambda n: events.append(("delete", n))).start()
+    watcher = PrefixWatcher(
+        etcd,
+        "/t3/",
+        on_put=lambda i: events.append(("put", i.name)),
+        on_delete=lambda n: events.append(("delete", n)),
+    ).start()
     try:
         with EtcdClient(etcd) as c:
             lease = c.grant_lease(1)  # a rank that registered and then died (never renews)
@@ -110,12 +122,24 @@ HOSTILE_VALUES = [
     (json.dumps({"v": 1, "name": "a", "role": "boss", "pid": 1, "started_ns": 1}).encode(), "role"),
     (json.dumps({"v": 1, "name": "a", "role": "decode", "pid": -1, "started_ns": 1}).encode(), "pid"),
     (json.dumps({"v": 1, "name": "a", "role": "decode", "pid": True, "started_ns": 1}).encode(), "pid"),
-    (json.dumps({"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1,
-                 "link": "evil.example; rm -rf"}).encode(), "link"),
-    (json.dumps({"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1,
-                 "http": "127.0.0.1:70000"}).encode(), "http"),
-    (json.dumps({"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1,
-                 "meta": {"k": [1]}}).encode(), "meta.k"),
+    (
+        json.dumps(
+            {"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1, "link": "evil.example; rm -rf"}
+        ).encode(),
+        "link",
+    ),
+    (
+        json.dumps(
+            {"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1, "http": "127.0.0.1:70000"}
+        ).encode(),
+        "http",
+    ),
+    (
+        json.dumps(
+            {"v": 1, "name": "a", "role": "decode", "pid": 1, "started_ns": 1, "meta": {"k": [1]}}
+        ).encode(),
+        "meta.k",
+    ),
     (b"{" * 70000, "info"),
 ]
 
@@ -150,8 +174,10 @@ def test_watcher_skips_malformed_value_and_drops_previous_one(etcd):
         (b"not json", "watch"),
         (b'{"result": {"events": [{"type": "BOOM", "kv": {"key": "YQ=="}}]}}', "watch.events[0].type"),
         (b'{"result": {"events": [{"kv": {"key": "!!"}}]}}', "watch.events[0].kv.key"),
-        (b'{"result": {"events": [{"kv": {"key": "YQ==", "mod_revision": "1e9"}}]}}',
-         "watch.events[0].kv.mod_revision"),
+        (
+            b'{"result": {"events": [{"kv": {"key": "YQ==", "mod_revision": "1e9"}}]}}',
+            "watch.events[0].kv.mod_revision",
+        ),
         (b'{"result": {"events": [{"kv": {"key": "YQ==", "value": 5}}]}}', "watch.events[0].kv.value"),
         (b'{"result": {"events": "no"}}', "watch.result.events"),
     ],
@@ -164,10 +190,20 @@ def test_hostile_watch_lines_name_the_field(line, field):
 
 def test_well_formed_watch_line_parses():
     key, value = base64.b64encode(b"/k").decode(), base64.b64encode(b"v").decode()
-    line = json.dumps({"result": {"events": [{"kv": {"key": key, "value": value, "mod_revision": "7"}},
-                                             {"type": "DELETE", "kv": {"key": key, "mod_revision": "8"}}]}})
+    line = json.dumps(
+        {
+            "result": {
+                "events": [
+                    {"kv": {"key": key, "value": value, "mod_revision": "7"}},
+                    {"type": "DELETE", "kv": {"key": key, "mod_revision": "8"}},
+                ]
+            }
+        }
+    )
     assert list(reg._parse_watch_line(line.encode())) == [
-        reg.WatchEvent("put", "/k", b"v", 7), reg.WatchEvent("delete", "/k", b"", 8)]
+        reg.WatchEvent("put", "/k", b"v", 7),
+        reg.WatchEvent("delete", "/k", b"", 8),
+    ]
 
 
 def test_unreachable_etcd_is_adapter_error_and_bad_endpoint_is_config_error():

@@ -35,7 +35,9 @@ def disagg_stack(tmp_path_factory):
 
 
 def complete(url: str, prompt, max_tokens: int, **kw) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **kw}, timeout=60)
+    return httpx.post(
+        f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **kw}, timeout=60
+    )
 
 
 def text_of(url: str, prompt, max_tokens: int, **kw) -> str:
@@ -71,5 +73,10 @@ def wait_at_rest(stack: LocalStack, timeout_s: float = 20.0) -> dict[str, dict]:
 
 def _at_rest(h: dict) -> bool:
     b, link = h["blocks"], h["link"] or {"owned": 0, "held": 0, "sending": 0}
-    return (h["inflight"] == 0 and b["free"] == b["total"] and b["in_use"] == 0 and b["lent"] == 0
-            and link["owned"] == link["held"] == link["sending"] == 0)
+    return (
+        h["inflight"] == 0
+        and b["free"] == b["total"]
+        and b["in_use"] == 0
+        and b["lent"] == 0
+        and link["owned"] == link["held"] == link["sending"] == 0
+    )

@@ -58,7 +58,9 @@ def test_bad_requests_get_openai_errors_naming_the_param(url, body, status, para
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b'"just a string"'])
 def test_malformed_bodies_are_400(url, raw):
-    r = httpx.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10)
+    r = httpx.post(
+        f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -76,13 +78,20 @@ def test_servers_keep_serving_after_bad_requests_and_leak_nothing(url, single_st
 
 def test_official_client_completion_and_stream_agree(url):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
-    whole = client.completions.create(model="kvown-tiny", prompt="The quick brown fox", max_tokens=24,
-                                      temperature=0)
+    whole = client.completions.create(
+        model="kvown-tiny", prompt="The quick brown fox", max_tokens=24, temperature=0
+    )
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.prompt_tokens == 19 and whole.usage.completion_tokens == 24
     pieces, finish, usage = [], None, None
-    for event in client.completions.create(model="kvown-tiny", prompt="The quick brown fox", max_tokens=24,
-                                           temperature=0, stream=True, stream_options={"include_usage": True}):
+    for event in client.completions.create(
+        model="kvown-tiny",
+        prompt="The quick brown fox",
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if event.choices:
             pieces.append(event.choices[0].text)
             finish = event.choices[0].finish_reason or finish
@@ -105,9 +114,12 @@ def test_stop_strings_cut_the_text_the_same_way_streamed_or_not(url):
     r = complete(url, "stop here", 40, temperature=0, stop=[stop])
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     streamed = []
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
-                      json={"prompt": "stop here", "max_tokens": 40, "temperature": 0, "stop": [stop],
-                            "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=30,
+        json={"prompt": "stop here", "max_tokens": 40, "temperature": 0, "stop": [stop], "stream": True},
+    ) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 streamed.append(json.loads(line[6:])["choices"][0]["text"])
@@ -144,8 +156,11 @@ def test_internal_endpoints_validate_too(disagg_stack):
     decode, prefill = disagg_stack.procs["decode"].url, disagg_stack.procs["prefill"].url
     r = httpx.post(f"{decode}/internal/decode", json={"prompt": "x", "max_tokens": 2}, timeout=5)
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer"
-    r = httpx.post(f"{decode}/internal/decode", timeout=5,
-                   json={"prompt": "x", "max_tokens": 2, "kv_transfer": {"request_id": 5, "prefill": "ghost"}})
+    r = httpx.post(
+        f"{decode}/internal/decode",
+        timeout=5,
+        json={"prompt": "x", "max_tokens": 2, "kv_transfer": {"request_id": 5, "prefill": "ghost"}},
+    )
     assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed"
     r = httpx.post(f"{prefill}/internal/prefill", json={"prompt": "x", "request_id": "7"}, timeout=5)
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"

@@ -41,8 +41,9 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
                 prompt = rng.choice(prompts)
                 text = ""
                 try:
-                    for event in c.completions.create(model="kvown-tiny", prompt=prompt, max_tokens=40,
-                                                      temperature=0, stream=True):
+                    for event in c.completions.create(
+                        model="kvown-tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True
+                    ):
                         text += event.choices[0].text if event.choices else ""
                     result = "ok" if text == expected[prompt] else "mismatch"
                 except openai.APITimeoutError:
@@ -51,7 +52,6 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
                     result = "error"
                 with lock:
                     outcomes.append(result)
-
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
@@ -75,7 +75,12 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
             time.sleep(0.1)
         assert health["blocks"]["free"] == health["blocks"]["total"], health
         assert health["link"]["held"] == 0 and health["link"]["owned"] == 0, health
-        print("decode link after the kill:", health["link"], "outcomes:", {k: outcomes.count(k) for k in set(outcomes)})
+        print(
+            "decode link after the kill:",
+            health["link"],
+            "outcomes:",
+            {k: outcomes.count(k) for k in set(outcomes)},
+        )
         assert health["link"]["recv_failed"] >= 1  # destinations of the dead writer failed, then came back
         assert (health["pid"], health["started_ns"]) == (decode_before["pid"], decode_before["started_ns"])
 

@@ -24,8 +24,16 @@ CONFIG = ModelConfig(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
 class Side:
     """One server's KV memory, allocator and link."""
 
-    def __init__(self, name: str, *, config: ModelConfig = CONFIG, num_blocks: int = 32, link_cls=KVLink,
-                 peers: dict | None = None, **link_kw) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        config: ModelConfig = CONFIG,
+        num_blocks: int = 32,
+        link_cls=KVLink,
+        peers: dict | None = None,
+        **link_kw,
+    ) -> None:
         self.cache = PagedKVCache(config, num_blocks)
         self.alloc = BlockAllocator(num_blocks)
         self.returned: list[tuple[int, tuple[int, ...], str]] = []
@@ -53,7 +61,10 @@ class Side:
 
     def settled(self) -> bool:
         s = self.link.statistics()
-        return s["owned"] == s["held"] == s["sending"] == 0 and self.alloc.statistics()["free"] == self.alloc.total
+        return (
+            s["owned"] == s["held"] == s["sending"] == 0
+            and self.alloc.statistics()["free"] == self.alloc.total
+        )
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:
@@ -256,9 +267,14 @@ def test_peer_gone_drops_the_connection(pair):
     assert h.returned.wait(5)
 
 
-@pytest.mark.parametrize(("change", "field"), [({"num_kv_heads": 4, "num_heads": 4}, "layout.kv_heads"),
-                                               ({"block_size": 8}, "layout.block_size"),
-                                               ({"num_layers": 3}, "layout.num_layers")])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"num_kv_heads": 4, "num_heads": 4}, "layout.kv_heads"),
+        ({"block_size": 8}, "layout.block_size"),
+        ({"num_layers": 3}, "layout.num_layers"),
+    ],
+)
 def test_layout_mismatch_is_refused_at_the_handshake_naming_the_field(change, field):
     peers: dict = {}
     prefill = Side("prefill-0", peers=peers)
@@ -311,8 +327,9 @@ class FakeWriter:
         self.server.close()
 
 
-@pytest.mark.parametrize("attack", ["unpublished_rid", "out_of_range", "partial_block", "oversized",
-                                    "wrong_kind", "bad_magic"])
+@pytest.mark.parametrize(
+    "attack", ["unpublished_rid", "out_of_range", "partial_block", "oversized", "wrong_kind", "bad_magic"]
+)
 def test_hostile_writer_frames_close_the_connection_and_fail_only_its_destinations(attack):
     import threading
 

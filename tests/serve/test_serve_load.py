@@ -8,6 +8,7 @@ in CI; the long one is marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -28,7 +29,9 @@ def _pool(seed: int = 3) -> list[tuple[str, int, str]]:
     for i in range(24):
         prompt = f"request {i}: " + "".join(rng.choice("abcdefgh ij.") for _ in range(rng.randint(1, 300)))
         max_tokens = rng.randint(4, 48)
-        out.append((prompt, max_tokens, tok.decode(generate_reference(model, tok.encode(prompt), max_tokens))))
+        out.append(
+            (prompt, max_tokens, tok.decode(generate_reference(model, tok.encode(prompt), max_tokens)))
+        )
     return out
 
 
@@ -54,11 +57,12 @@ def run_load(url: str, *, clients: int, duration_s: float, disconnect_fraction: 
                 leave = rng.random() < disconnect_fraction
                 try:
                     if leave and rng.random() < 0.4:  # gone before the answer starts (prefill or landing)
-                        try:
-                            http.post(f"{url}/v1/completions", json={**body, "stream": rng.random() < 0.5},
-                                      timeout=httpx.Timeout(30, read=rng.uniform(0.001, 0.08)))
-                        except httpx.ReadTimeout:
-                            pass
+                        with contextlib.suppress(httpx.ReadTimeout):
+                            http.post(
+                                f"{url}/v1/completions",
+                                json={**body, "stream": rng.random() < 0.5},
+                                timeout=httpx.Timeout(30, read=rng.uniform(0.001, 0.08)),
+                            )
                         count("abandoned")
                     elif leave or rng.random() < 0.5:  # streamed; abandoned after k tokens when leaving
                         keep = rng.randint(0, max_tokens) if leave else None

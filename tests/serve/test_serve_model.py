@@ -54,7 +54,9 @@ def test_kv_copied_into_other_block_ids_computes_identical_bits(model):
     model.forward(prompt, 0, ta, a)
     for la, lb in zip(a.layers, b.layers, strict=True):
         lb[:, tb] = la[:, ta]  # what the KV link does, byte for byte
-    tok = sample(model.forward(prompt, 0, ta, PagedKVCache(CONFIG, 32)), temperature=0, top_p=1, seed=0, step=0)
+    tok = sample(
+        model.forward(prompt, 0, ta, PagedKVCache(CONFIG, 32)), temperature=0, top_p=1, seed=0, step=0
+    )
     assert torch.equal(model.forward([tok], len(prompt), ta, a), model.forward([tok], len(prompt), tb, b))
 
 
@@ -101,11 +103,13 @@ def test_allocator_accounting_and_illegal_moves_change_nothing():
     alloc.lend(a[:2])
     before = alloc.statistics()
     assert before == {"total": 8, "free": 5, "in_use": 1, "lent": 2, "peak_used": 3}
-    for bad in (lambda: alloc.free(a[:2]),  # lent blocks are the link's, not the server's
-                lambda: alloc.give_back(a[2:]),  # never lent
-                lambda: alloc.free([a[2], a[2]]),
-                lambda: alloc.free([a[2], 7]),  # one good, one free: nothing may change
-                lambda: alloc.lend([99])):
+    for bad in (
+        lambda: alloc.free(a[:2]),  # lent blocks are the link's, not the server's
+        lambda: alloc.give_back(a[2:]),  # never lent
+        lambda: alloc.free([a[2], a[2]]),
+        lambda: alloc.free([a[2], 7]),  # one good, one free: nothing may change
+        lambda: alloc.lend([99]),
+    ):
         with pytest.raises(LocalProtocolError):
             bad()
         assert alloc.statistics() == before
@@ -125,12 +129,12 @@ def test_chunks_cover_each_block_exactly_once():
         assert sum(n for _, _, n in chunks) == cache.block_nbytes
         for region, offset, n in chunks:
             base = sum(sizes[:region])
-            seen[base + offset: base + offset + n] += 1
+            seen[base + offset : base + offset + n] += 1
     assert torch.all(seen == 1)
     # and the chunk for (layer 1, V, block 3) really is that tensor slice
     layer = cache.layers[1]
     layer[1, 3] = 7.0
     region, offset, n = cache.chunks(3)[3]
-    flat = layer.view(-1).view(torch.uint8)[offset:offset + n]
+    flat = layer.view(-1).view(torch.uint8)[offset : offset + n]
     assert region == 1 and torch.all(flat.view(torch.float32) == 7.0)
     assert math.prod(layer[1, 3].shape) * 4 == n

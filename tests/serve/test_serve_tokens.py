@@ -8,6 +8,7 @@ A client that leaves mid-stream gets its blocks retired on both sides.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import time
 
@@ -44,16 +45,19 @@ def reference_model():
 
 
 def test_greedy_disaggregated_equals_single_equals_in_process(disagg_stack, single_stack, reference_model):
+    """Four requests at a time on each stack: outputs must not depend on what else is running."""
     before = identities(disagg_stack)
     tok = ByteTokenizer()
-    mismatches = []
-    for prompt, max_tokens in PROMPTS:
-        disagg = text_of(disagg_stack.url, prompt, max_tokens, temperature=0)
-        single = text_of(single_stack.url, prompt, max_tokens, temperature=0)
-        local = tok.decode(generate_reference(reference_model, tok.encode(prompt), max_tokens))
-        assert len(disagg) == max_tokens
-        if not (disagg == single == local):
-            mismatches.append((prompt[:30], max_tokens, disagg, single, local))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        disagg = pool.map(lambda p: text_of(disagg_stack.url, p[0], p[1], temperature=0), PROMPTS)
+        single = pool.map(lambda p: text_of(single_stack.url, p[0], p[1], temperature=0), PROMPTS)
+        local = [tok.decode(generate_reference(reference_model, tok.encode(p), n)) for p, n in PROMPTS]
+        disagg, single = list(disagg), list(single)
+    mismatches = [
+        (prompt[:30], n, d, s, loc)
+        for (prompt, n), d, s, loc in zip(PROMPTS, disagg, single, local, strict=True)
+        if not (d == s == loc and len(d) == n)
+    ]
     assert mismatches == []
     assert identities(disagg_stack) == before  # nothing restarted
     health = wait_at_rest(disagg_stack)
@@ -87,9 +91,15 @@ def test_disconnect_while_waiting_for_the_kv_cancels_through_the_link(disagg_sta
     destination's blocks come back only after the prefill side's last frame."""
     decode = disagg_stack.procs["decode"].url
     with pytest.raises(httpx.ReadTimeout):  # the prefill was never told: the KV will not come
-        httpx.post(f"{decode}/internal/decode", timeout=0.5,
-                   json={"prompt": "x" * 100, "max_tokens": 4,
-                         "kv_transfer": {"request_id": 12345, "prefill": "prefill-0"}})
+        httpx.post(
+            f"{decode}/internal/decode",
+            timeout=0.5,
+            json={
+                "prompt": "x" * 100,
+                "max_tokens": 4,
+                "kv_transfer": {"request_id": 12345, "prefill": "prefill-0"},
+            },
+        )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         h = httpx.get(f"{decode}/health", timeout=5).json()

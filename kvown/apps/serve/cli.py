@@ -44,7 +44,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when present)")
     s.add_argument("--threads", type=int, default=1, help="torch threads for the model")
     s.add_argument("--landing-timeout", type=float, default=30.0, help="decode: seconds to wait for the KV")
-    s.add_argument("--publish-timeout", type=float, default=30.0, help="prefill: seconds to keep unclaimed KV")
+    s.add_argument(
+        "--publish-timeout", type=float, default=30.0, help="prefill: seconds to keep unclaimed KV"
+    )
     s.add_argument("--link-pace-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow fabric
 
 
@@ -65,14 +67,37 @@ def _run_server(role: str, argv: list[str]) -> int:
     from kvown.apps.serve.model import ModelConfig
     from kvown.apps.serve.server import ServeConfig, serve
 
-    model = ModelConfig(d_model=a.d_model, num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
-                        head_dim=a.head_dim, ffn_dim=a.ffn_dim, max_model_len=a.max_model_len,
-                        block_size=a.block_size, seed=a.seed)
-    return serve(ServeConfig(role=role, name=a.name, model=model, model_name=a.model_name, host=a.host,
-                             port=a.port, etcd=a.etcd, cluster=a.cluster, num_blocks=a.num_blocks,
-                             device=a.device, threads=a.threads, max_prompt_tokens=a.max_prompt_tokens,
-                             landing_timeout_s=a.landing_timeout, publish_timeout_s=a.publish_timeout,
-                             lease_ttl_s=a.lease_ttl, link_pace_s=a.link_pace_ms / 1000))
+    model = ModelConfig(
+        d_model=a.d_model,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        ffn_dim=a.ffn_dim,
+        max_model_len=a.max_model_len,
+        block_size=a.block_size,
+        seed=a.seed,
+    )
+    return serve(
+        ServeConfig(
+            role=role,
+            name=a.name,
+            model=model,
+            model_name=a.model_name,
+            host=a.host,
+            port=a.port,
+            etcd=a.etcd,
+            cluster=a.cluster,
+            num_blocks=a.num_blocks,
+            device=a.device,
+            threads=a.threads,
+            max_prompt_tokens=a.max_prompt_tokens,
+            landing_timeout_s=a.landing_timeout,
+            publish_timeout_s=a.publish_timeout,
+            lease_ttl_s=a.lease_ttl,
+            link_pace_s=a.link_pace_ms / 1000,
+        )
+    )
 
 
 def _run_router(argv: list[str]) -> int:
@@ -83,13 +108,24 @@ def _run_router(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from kvown.apps.serve.router import RouterConfig, serve_router
 
-    return serve_router(RouterConfig(etcd=a.etcd, name=a.name, cluster=a.cluster, host=a.host, port=a.port,
-                                     request_timeout_s=a.request_timeout, lease_ttl_s=a.lease_ttl))
+    return serve_router(
+        RouterConfig(
+            etcd=a.etcd,
+            name=a.name,
+            cluster=a.cluster,
+            host=a.host,
+            port=a.port,
+            request_timeout_s=a.request_timeout,
+            lease_ttl_s=a.lease_ttl,
+        )
+    )
 
 
 def _run_local(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvown serve local",
-                                description="the whole stack on this machine; extra options go to the servers")
+    p = argparse.ArgumentParser(
+        prog="kvown serve local",
+        description="the whole stack on this machine; extra options go to the servers",
+    )
     p.add_argument("--single", action="store_true", help="one process, no etcd, no transfer")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a temp dir)")
@@ -104,8 +140,11 @@ def _run_local(argv: list[str]) -> int:
     try:
         stack.start()
         mode = "single process" if a.single else "disaggregated: prefill-0 -> decode-0 via the KV link"
-        print(f"kvown serve local: {mode}; OpenAI API at {stack.url}/v1 (logs in {stack.log_dir}); Ctrl-C stops",
-              flush=True)
+        print(
+            f"kvown serve local: {mode}; OpenAI API at {stack.url}/v1 "
+            f"(logs in {stack.log_dir}); Ctrl-C stops",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if stack.dead():
                 print(f"kvown serve local: {', '.join(stack.dead())} exited; stopping", file=sys.stderr)

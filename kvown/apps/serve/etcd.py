@@ -73,11 +73,30 @@ class EtcdProcess:
         log = open(self._log_path or os.path.join(self._data_dir, "etcd.log"), "ab")  # noqa: SIM115
         with log:
             self._proc = subprocess.Popen(
-                [self.binary, "--name", "kvown", "--data-dir", os.path.join(self._data_dir, "data"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"kvown={peer}", "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    self.binary,
+                    "--name",
+                    "kvown",
+                    "--data-dir",
+                    os.path.join(self._data_dir, "data"),
+                    "--listen-client-urls",
+                    client,
+                    "--advertise-client-urls",
+                    client,
+                    "--listen-peer-urls",
+                    peer,
+                    "--initial-advertise-peer-urls",
+                    peer,
+                    "--initial-cluster",
+                    f"kvown={peer}",
+                    "--log-level",
+                    "warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.endpoint = client
         try:
             wait_for_etcd(client, timeout_s=timeout_s)

@@ -43,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import json
 import socket
@@ -155,10 +156,8 @@ class _Conn:
 
     def close(self) -> None:
         self.alive = False
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -191,9 +190,19 @@ class KVLink:
     cancel between frames).
     """
 
-    def __init__(self, name: str, memory: KVMemory, *, on_returned: Callable[[int, tuple[int, ...], str], None],
-                 resolve: Callable[[str], str | None] | None = None, host: str = "127.0.0.1", port: int = 0,
-                 publish_timeout_s: float = 30.0, chunk_blocks: int = 4, connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        memory: KVMemory,
+        *,
+        on_returned: Callable[[int, tuple[int, ...], str], None],
+        resolve: Callable[[str], str | None] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        publish_timeout_s: float = 30.0,
+        chunk_blocks: int = 4,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
         if chunk_blocks <= 0 or publish_timeout_s <= 0:
             raise ConfigError("chunk_blocks and publish_timeout_s must be positive", field="chunk_blocks")
         self.name, self.memory = name, memory
@@ -214,14 +223,25 @@ class KVLink:
         self._jobs: list[SendHandle] = []
         self._accepted: set[_Conn] = set()
         self._jobs_ready = threading.Condition(self._lock)
-        self.counters = {"bytes_in": 0, "bytes_out": 0, "landed": 0, "recv_cancelled": 0, "recv_failed": 0,
-                         "sent": 0, "send_cancelled": 0, "send_expired": 0, "send_failed": 0,
-                         "protocol_errors": 0}
+        self.counters = {
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "landed": 0,
+            "recv_cancelled": 0,
+            "recv_failed": 0,
+            "sent": 0,
+            "send_cancelled": 0,
+            "send_expired": 0,
+            "send_failed": 0,
+            "protocol_errors": 0,
+        }
         self.pace_s = 0.0  # tests only: sleep between DATA frames, to cancel mid-transfer
         self._listener = socket.create_server((host, port))
         self.address = f"{host}:{self._listener.getsockname()[1]}"
-        self._threads = [threading.Thread(target=self._accept_loop, name=f"kvlink-accept-{name}", daemon=True),
-                         threading.Thread(target=self._sender_loop, name=f"kvlink-send-{name}", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name=f"kvlink-accept-{name}", daemon=True),
+            threading.Thread(target=self._sender_loop, name=f"kvlink-send-{name}", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -261,8 +281,11 @@ class KVLink:
         with self._lock:
             handle = self._dests.get(request_id)
             if handle is None or handle.state != "landed":
-                raise LocalProtocolError("release of a destination that has not landed", request_id=request_id,
-                                         state=None if handle is None else handle.state)
+                raise LocalProtocolError(
+                    "release of a destination that has not landed",
+                    request_id=request_id,
+                    state=None if handle is None else handle.state,
+                )
             self._give_back_dest(handle, "completed")
 
     def cancel(self, request_id: int) -> None:
@@ -312,8 +335,11 @@ class KVLink:
             conn.send(Kind.HELLO, payload=self._hello())
             kind, _, _, payload = self._read_frame(sock, handshake=True)
             if kind == Kind.REFUSED:
-                raise PeerProtocolError("the writer refused our KV layout", field=payload.decode(errors="replace")[:80],
-                                        writer=writer)
+                raise PeerProtocolError(
+                    "the writer refused our KV layout",
+                    field=payload.decode(errors="replace")[:80],
+                    writer=writer,
+                )
             self._check_hello(kind, payload, expect=writer)
             sock.settimeout(None)
         except (OSError, ConnectionError) as error:
@@ -328,8 +354,9 @@ class KVLink:
                 sock.close()
                 return old
             self._writers[writer] = conn
-        threading.Thread(target=self._reader, args=(conn,), name=f"kvlink-read-{self.name}-{writer}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._reader, args=(conn,), name=f"kvlink-read-{self.name}-{writer}", daemon=True
+        ).start()
         return conn
 
     def _give_back_dest(self, handle: RecvHandle, outcome: str) -> None:
@@ -346,14 +373,23 @@ class KVLink:
         with self._lock:
             handle = self._dests.get(rid)
             if handle is None or rid not in conn.rids:
-                raise PeerProtocolError("frame for a request not published to this writer", field="request_id",
-                                        request_id=rid, kind=kind.name)
+                raise PeerProtocolError(
+                    "frame for a request not published to this writer",
+                    field="request_id",
+                    request_id=rid,
+                    kind=kind.name,
+                )
         if kind == Kind.DATA:
             n, rem = divmod(len(payload), self.memory.block_nbytes)
             if rem or n == 0 or arg + n > len(handle.blocks):
-                raise PeerProtocolError("DATA outside the destination", field="arg", request_id=rid,
-                                        first=arg, nbytes=len(payload))
-            self._scatter(handle.blocks[arg:arg + n], payload)  # lands even when held (rule 1)
+                raise PeerProtocolError(
+                    "DATA outside the destination",
+                    field="arg",
+                    request_id=rid,
+                    first=arg,
+                    nbytes=len(payload),
+                )
+            self._scatter(handle.blocks[arg : arg + n], payload)  # lands even when held (rule 1)
             with self._lock:
                 self.counters["bytes_in"] += len(payload)
             return
@@ -389,7 +425,9 @@ class KVLink:
                     continue
                 if handle.state == "owned":
                     self.counters["recv_failed"] += 1
-                    handle.landed.set_exception(TransferFailed("writer_lost", writer=conn.peer, request_id=rid))
+                    handle.landed.set_exception(
+                        TransferFailed("writer_lost", writer=conn.peer, request_id=rid)
+                    )
                 self._give_back_dest(handle, "cancelled" if handle.state == "held" else "failed")
             conn.rids.clear()
 
@@ -398,7 +436,7 @@ class KVLink:
         pos = 0
         for b in blocks:
             for region, offset, nbytes in self.memory.chunks(b):
-                self._flat[region][offset:offset + nbytes].copy_(src[pos:pos + nbytes])
+                self._flat[region][offset : offset + nbytes].copy_(src[pos : pos + nbytes])
                 pos += nbytes
 
     # ------------------------------------------------------------------------------ prefill side
@@ -457,8 +495,12 @@ class KVLink:
         """Lock held; only once no frame reads ``handle.blocks`` any more (INV-LINK-1)."""
         if self._sends.get(handle.request_id) is handle:
             del self._sends[handle.request_id]
-        key = {"completed": "sent", "cancelled": "send_cancelled", "aborted": "send_cancelled",
-               "expired": "send_expired"}.get(outcome, "send_failed")
+        key = {
+            "completed": "sent",
+            "cancelled": "send_cancelled",
+            "aborted": "send_cancelled",
+            "expired": "send_expired",
+        }.get(outcome, "send_failed")
         self.counters[key] += 1
         self._on_returned(handle.request_id, handle.blocks, outcome)
         handle.done.set_result(outcome)
@@ -488,7 +530,9 @@ class KVLink:
                     conn.rids.add(rid)
             elif kind == Kind.CANCEL:
                 if handle is not None and handle.conn is conn:
-                    handle.cancel = True  # the sender thread ends it with QUIESCED (or DONE if it just finished)
+                    handle.cancel = (
+                        True  # the sender thread ends it with QUIESCED (or DONE if it just finished)
+                    )
                     return
                 self._fence(rid)
                 if handle is not None and handle.conn is None:
@@ -499,7 +543,9 @@ class KVLink:
                     self._send_quiet(conn, rid, Reason.CANCELLED)
                 # else: DONE or QUIESCED already went out for rid on this stream; the decode side has it.
             else:
-                raise PeerProtocolError("frame kind not allowed from a receiver", field="kind", value=int(kind))
+                raise PeerProtocolError(
+                    "frame kind not allowed from a receiver", field="kind", value=int(kind)
+                )
 
     def _prefill_conn_closed(self, conn: _Conn) -> None:
         with self._lock:
@@ -536,7 +582,7 @@ class KVLink:
                 if handle.cancel or not conn.alive:
                     outcome = "cancelled"
                     break
-                payload = self._gather(handle.blocks[first:first + self._chunk_blocks])
+                payload = self._gather(handle.blocks[first : first + self._chunk_blocks])
                 conn.send(Kind.DATA, rid, first, payload)
                 with self._lock:
                     self.counters["bytes_out"] += len(payload)
@@ -563,8 +609,11 @@ class KVLink:
             self._finish_send(handle, "expired")
 
     def _gather(self, blocks: Sequence[int]) -> bytes:
-        parts = [self._flat[region][offset:offset + nbytes]
-                 for b in blocks for region, offset, nbytes in self.memory.chunks(b)]
+        parts = [
+            self._flat[region][offset : offset + nbytes]
+            for b in blocks
+            for region, offset, nbytes in self.memory.chunks(b)
+        ]
         return torch.cat(parts).cpu().numpy().tobytes()
 
     # ---------------------------------------------------------------------------------- plumbing
@@ -581,16 +630,26 @@ class KVLink:
         if not isinstance(hello, dict) or not isinstance(hello.get("name"), str):
             raise PeerProtocolError("HELLO has no name", field="hello.name")
         if expect is not None and hello["name"] != expect:
-            raise PeerProtocolError("the address answered with another name", field="hello.name",
-                                    expected=expect, got=hello["name"][:80])
+            raise PeerProtocolError(
+                "the address answered with another name",
+                field="hello.name",
+                expected=expect,
+                got=hello["name"][:80],
+            )
         diff = _layout_diff(self._layout, hello.get("layout"))
         if diff is not None:
             theirs = hello.get("layout")
-            raise PeerProtocolError("KV layouts differ", field=diff, ours=self._layout.get(diff[7:]),
-                                    theirs=theirs.get(diff[7:]) if isinstance(theirs, dict) else theirs)
+            raise PeerProtocolError(
+                "KV layouts differ",
+                field=diff,
+                ours=self._layout.get(diff[7:]),
+                theirs=theirs.get(diff[7:]) if isinstance(theirs, dict) else theirs,
+            )
         return str(hello["name"])
 
-    def _read_frame(self, sock: socket.socket, *, handshake: bool = False) -> tuple[Kind, int, int, bytearray]:
+    def _read_frame(
+        self, sock: socket.socket, *, handshake: bool = False
+    ) -> tuple[Kind, int, int, bytearray]:
         magic, version, kind, rid, arg, nbytes = HEADER.unpack(_recv_exact(sock, HEADER.size))
         if magic != MAGIC or version != VERSION:
             raise PeerProtocolError("not a kvlink frame", field="magic" if magic != MAGIC else "version")
@@ -612,8 +671,9 @@ class KVLink:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_receiver, args=(sock,), name=f"kvlink-read-{self.name}-in",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve_receiver, args=(sock,), name=f"kvlink-read-{self.name}-in", daemon=True
+            ).start()
 
     def _serve_receiver(self, sock: socket.socket) -> None:
         """Prefill side: handshake a decode server's connection, then read its frames."""
@@ -623,11 +683,11 @@ class KVLink:
             peer = self._check_hello(kind, payload, expect=None)
         except PeerProtocolError as error:
             self.counters["protocol_errors"] += 1
-            try:
-                sock.sendall(HEADER.pack(MAGIC, VERSION, Kind.REFUSED, 0, 0, len(str(error.field).encode()))
-                             + str(error.field).encode())
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                sock.sendall(
+                    HEADER.pack(MAGIC, VERSION, Kind.REFUSED, 0, 0, len(str(error.field).encode()))
+                    + str(error.field).encode()
+                )
             sock.close()
             return
         except (OSError, ConnectionError, struct.error):
@@ -672,8 +732,15 @@ class KVLink:
             owned = sum(len(h.blocks) for h in self._dests.values() if h.state != "held")
             held = sum(len(h.blocks) for h in self._dests.values() if h.state == "held")
             sending = sum(len(h.blocks) for h in self._sends.values())
-            return {"owned": owned, "held": held, "sending": sending, "destinations": len(self._dests),
-                    "sends": len(self._sends), "connections": len(self._writers), **self.counters}
+            return {
+                "owned": owned,
+                "held": held,
+                "sending": sending,
+                "destinations": len(self._dests),
+                "sends": len(self._sends),
+                "connections": len(self._writers),
+                **self.counters,
+            }
 
     def close(self) -> None:
         """Stop accepting and drop every connection. Blocks still lent go back through their readers'
@@ -687,10 +754,8 @@ class KVLink:
                     self._finish_send(handle, "aborted")
                 else:
                     handle.cancel = True
-        try:
+        with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not)
-        except OSError:
-            pass
         self._listener.close()
         for conn in conns:
             conn.close()

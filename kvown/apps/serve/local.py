@@ -40,8 +40,13 @@ class ServerProcess:
         env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvown", "serve", role, *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvown", "serve", role, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+        )
         self.url: str | None = None
         self._ready = threading.Event()
         threading.Thread(target=self._pump, name=f"serve-{role}-stdout", daemon=True).start()
@@ -60,7 +65,9 @@ class ServerProcess:
     def wait_ready(self, timeout_s: float) -> str:
         if not self._ready.wait(timeout_s) or self.url is None:
             tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
-            raise AdapterError(f"serve {self.role} did not become ready", returncode=self.proc.poll(), log=tail)
+            raise AdapterError(
+                f"serve {self.role} did not become ready", returncode=self.proc.poll(), log=tail
+            )
         return self.url
 
     @property
@@ -96,8 +103,16 @@ class LocalStack:
     ``server_args`` go to the prefill, decode and single servers (model options, blocks, threads).
     """
 
-    def __init__(self, *, single: bool = False, port: int = 0, server_args: Sequence[str] = (),
-                 log_dir: str | Path | None = None, cluster: str = "local", lease_ttl_s: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        single: bool = False,
+        port: int = 0,
+        server_args: Sequence[str] = (),
+        log_dir: str | Path | None = None,
+        cluster: str = "local",
+        lease_ttl_s: int = 2,
+    ) -> None:
         self.single, self.port, self.server_args = single, port, list(server_args)
         self.cluster, self.lease_ttl_s = cluster, lease_ttl_s
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvown-serve-"))
@@ -115,15 +130,25 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         try:
             if self.single:
-                p = self._spawn("single", "single", ["--port", str(self.port), "--name", "single-0",
-                                                     *self.server_args])
+                p = self._spawn(
+                    "single", "single", ["--port", str(self.port), "--name", "single-0", *self.server_args]
+                )
                 self.url = p.wait_ready(timeout_s)
                 return self
             self.etcd = EtcdProcess(log_path=self.log_dir / "etcd.log").start()
-            common = ["--etcd", self.etcd.endpoint, "--cluster", self.cluster, "--lease-ttl", str(self.lease_ttl_s)]
+            common = [
+                "--etcd",
+                self.etcd.endpoint,
+                "--cluster",
+                self.cluster,
+                "--lease-ttl",
+                str(self.lease_ttl_s),
+            ]
             prefill = self._spawn("prefill", "prefill", [*common, "--name", "prefill-0", *self.server_args])
             decode = self._spawn("decode", "decode", [*common, "--name", "decode-0", *self.server_args])
-            router = self._spawn("router", "router", [*common, "--name", "router-0", "--port", str(self.port)])
+            router = self._spawn(
+                "router", "router", [*common, "--name", "router-0", "--port", str(self.port)]
+            )
             for p in (prefill, decode, router):
                 p.wait_ready(max(deadline - time.monotonic(), 1.0))
             self.url = router.url or ""

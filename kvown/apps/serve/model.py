@@ -39,8 +39,17 @@ import torch
 from kvown.apps.serve.protocol import ByteTokenizer
 from kvown.core.errors import ConfigError, LocalProtocolError
 
-__all__ = ["OUTPUT_IDS", "BlockAllocator", "ByteTokenizer", "ModelConfig", "OutOfBlocks", "PagedKVCache",
-           "TinyLM", "generate_reference", "sample"]
+__all__ = [
+    "OUTPUT_IDS",
+    "BlockAllocator",
+    "ByteTokenizer",
+    "ModelConfig",
+    "OutOfBlocks",
+    "PagedKVCache",
+    "TinyLM",
+    "generate_reference",
+    "sample",
+]
 
 OUTPUT_IDS: tuple[int, ...] = (10, *range(32, 127))  # newline + printable ASCII (rule 4)
 
@@ -61,13 +70,24 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError("num_heads must be a multiple of num_kv_heads", field="num_kv_heads",
-                              value=self.num_kv_heads)
-        for name in ("d_model", "num_layers", "num_heads", "head_dim", "ffn_dim", "max_model_len", "block_size"):
+            raise ConfigError(
+                "num_heads must be a multiple of num_kv_heads", field="num_kv_heads", value=self.num_kv_heads
+            )
+        for name in (
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "head_dim",
+            "ffn_dim",
+            "max_model_len",
+            "block_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError("must be positive", field=name, value=getattr(self, name))
         if self.vocab_size != 256:
-            raise ConfigError("the byte tokenizer needs vocab_size 256", field="vocab_size", value=self.vocab_size)
+            raise ConfigError(
+                "the byte tokenizer needs vocab_size 256", field="vocab_size", value=self.vocab_size
+            )
 
     def digest(self) -> str:
         """Short id of (architecture, seed): two servers with the same digest compute the same bits."""
@@ -130,8 +150,13 @@ class BlockAllocator:
             raise LocalProtocolError("duplicate block in one call", field="blocks", blocks=list(blocks))
         for b in blocks:  # validate all before changing any (INV-ALLOC-2)
             if not (0 <= b < self.total) or self._state[b] != src:
-                raise LocalProtocolError("block is not in the expected state", field="blocks", block=b,
-                                         expected=src, state=self._state[b] if 0 <= b < self.total else None)
+                raise LocalProtocolError(
+                    "block is not in the expected state",
+                    field="blocks",
+                    block=b,
+                    expected=src,
+                    state=self._state[b] if 0 <= b < self.total else None,
+                )
         for b in blocks:
             self._state[b] = dst
         self.counts[src] -= len(blocks)
@@ -141,8 +166,13 @@ class BlockAllocator:
 
     def statistics(self) -> dict[str, int]:
         with self._lock:
-            return {"total": self.total, "free": self.counts[self.FREE], "in_use": self.counts[self.IN_USE],
-                    "lent": self.counts[self.LENT], "peak_used": self.peak_used}
+            return {
+                "total": self.total,
+                "free": self.counts[self.FREE],
+                "in_use": self.counts[self.IN_USE],
+                "lent": self.counts[self.LENT],
+                "peak_used": self.peak_used,
+            }
 
 
 class PagedKVCache:
@@ -152,20 +182,29 @@ class PagedKVCache:
     chunks (K then V) of ``chunk_nbytes`` each, see ``chunks``.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         self.config, self.num_blocks = config, num_blocks
         shape = (2, num_blocks, config.block_size, config.num_kv_heads, config.head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.chunk_nbytes = config.block_size * config.num_kv_heads * config.head_dim * self.layers[0].element_size()
+        self.chunk_nbytes = (
+            config.block_size * config.num_kv_heads * config.head_dim * self.layers[0].element_size()
+        )
         self.block_nbytes = 2 * config.num_layers * self.chunk_nbytes
 
     def describe(self) -> dict[str, int | str]:
         """What both ends of a transfer must agree on (compared at the link's handshake)."""
         c = self.config
-        return {"layout": "vllm-per-layer", "num_layers": c.num_layers, "block_size": c.block_size,
-                "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "dtype": str(self.layers[0].dtype),
-                "block_nbytes": self.block_nbytes}
+        return {
+            "layout": "vllm-per-layer",
+            "num_layers": c.num_layers,
+            "block_size": c.block_size,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "dtype": str(self.layers[0].dtype),
+            "block_nbytes": self.block_nbytes,
+        }
 
     def chunks(self, block: int) -> list[tuple[int, int, int]]:
         """``(region, offset_nbytes, nbytes)`` of every byte range that belongs to ``block``.
@@ -174,10 +213,15 @@ class PagedKVCache:
         V at ``(num_blocks + b) * chunk``. This is exactly what a NIXL descriptor list would name.
         """
         c = self.chunk_nbytes
-        return [(layer, (half * self.num_blocks + block) * c, c)
-                for layer in range(len(self.layers)) for half in (0, 1)]
+        return [
+            (layer, (half * self.num_blocks + block) * c, c)
+            for layer in range(len(self.layers))
+            for half in (0, 1)
+        ]
 
-    def write(self, layer: int, block_table: Sequence[int], start_pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, block_table: Sequence[int], start_pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         bs = self.config.block_size
         positions = torch.arange(start_pos, start_pos + k.shape[0])
         table = torch.tensor(block_table, dtype=torch.long)
@@ -185,7 +229,9 @@ class PagedKVCache:
         self.layers[layer][0, blocks.to(k.device), offsets.to(k.device)] = k
         self.layers[layer][1, blocks.to(k.device), offsets.to(k.device)] = v
 
-    def gather(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_table: Sequence[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.config.blocks_for(length)
         idx = torch.tensor(block_table[:nb], dtype=torch.long, device=self.layers[layer].device)
         kv = self.layers[layer].index_select(1, idx)  # [2, nb, bs, kvh, hd]
@@ -221,23 +267,26 @@ class TinyLM:
         self.embed = w(c.vocab_size, c.d_model, fan_in=1) * 0.5
         self.layers = []
         for _ in range(c.num_layers):
-            self.layers.append({
-                "attn_norm": torch.ones(c.d_model, device=device),
-                "wq": w(c.d_model, c.num_heads * c.head_dim, fan_in=c.d_model),
-                "wk": w(c.d_model, c.num_kv_heads * c.head_dim, fan_in=c.d_model),
-                "wv": w(c.d_model, c.num_kv_heads * c.head_dim, fan_in=c.d_model),
-                "wo": w(c.num_heads * c.head_dim, c.d_model, fan_in=c.num_heads * c.head_dim),
-                "ffn_norm": torch.ones(c.d_model, device=device),
-                "w_gate": w(c.d_model, c.ffn_dim, fan_in=c.d_model),
-                "w_up": w(c.d_model, c.ffn_dim, fan_in=c.d_model),
-                "w_down": w(c.ffn_dim, c.d_model, fan_in=c.ffn_dim),
-            })
+            self.layers.append(
+                {
+                    "attn_norm": torch.ones(c.d_model, device=device),
+                    "wq": w(c.d_model, c.num_heads * c.head_dim, fan_in=c.d_model),
+                    "wk": w(c.d_model, c.num_kv_heads * c.head_dim, fan_in=c.d_model),
+                    "wv": w(c.d_model, c.num_kv_heads * c.head_dim, fan_in=c.d_model),
+                    "wo": w(c.num_heads * c.head_dim, c.d_model, fan_in=c.num_heads * c.head_dim),
+                    "ffn_norm": torch.ones(c.d_model, device=device),
+                    "w_gate": w(c.d_model, c.ffn_dim, fan_in=c.d_model),
+                    "w_up": w(c.d_model, c.ffn_dim, fan_in=c.d_model),
+                    "w_down": w(c.ffn_dim, c.d_model, fan_in=c.ffn_dim),
+                }
+            )
         self.final_norm = torch.ones(c.d_model, device=device)
         self.lm_head = w(c.d_model, c.vocab_size, fan_in=c.d_model) * 4.0  # peaky logits, few near-ties
 
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], start_pos: int, block_table: Sequence[int],
-                cache: PagedKVCache) -> torch.Tensor:
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, block_table: Sequence[int], cache: PagedKVCache
+    ) -> torch.Tensor:
         """Run ``tokens`` at positions ``start_pos..``; write their KV into the blocks; return the last
         position's logits ``[vocab]`` on the CPU.
 
@@ -247,8 +296,13 @@ class TinyLM:
         c = self.config
         n, length = len(tokens), start_pos + len(tokens)
         if n == 0 or length > c.max_model_len or c.blocks_for(length) > len(block_table):
-            raise LocalProtocolError("forward outside the request's blocks", field="tokens", n=n,
-                                     start_pos=start_pos, blocks=len(block_table))
+            raise LocalProtocolError(
+                "forward outside the request's blocks",
+                field="tokens",
+                n=n,
+                start_pos=start_pos,
+                blocks=len(block_table),
+            )
         positions = torch.arange(start_pos, length)
         x = self.embed[torch.tensor(tokens, dtype=torch.long, device=self.device)]
         group = c.num_heads // c.num_kv_heads
@@ -289,8 +343,15 @@ def sample(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int,
     return OUTPUT_IDS[int(torch.multinomial(probs, 1, generator=g))]
 
 
-def generate_reference(model: TinyLM, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: int = 0) -> list[int]:
+def generate_reference(
+    model: TinyLM,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> list[int]:
     """Single-process generation on a private cache: what any server must reproduce token for token."""
     c = model.config
     cache = PagedKVCache(c, c.blocks_for(len(prompt) + max_tokens), device=model.device)

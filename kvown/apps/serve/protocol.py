@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 from starlette.responses import StreamingResponse
 
 MAX_BODY_NBYTES = 1 << 20
@@ -34,8 +43,15 @@ MAX_STOP_STRINGS, MAX_STOP_LEN = 4, 64
 class ApiError(Exception):
     """An error the client caused or may retry: becomes an OpenAI error body with ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -62,8 +78,11 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | Annotated[
-        list[StrictInt], Field(min_length=1)]
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[StrictInt], Field(min_length=1)]
+    )
     max_tokens: StrictInt = 16
     temperature: Number = 1.0
     top_p: Number = 1.0
@@ -96,9 +115,15 @@ class Job:
     stop: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": list(self.prompt_ids), "max_tokens": self.max_tokens,
-                                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                                "stream": self.stream, "stop": list(self.stop)}
+        body: dict[str, Any] = {
+            "prompt": list(self.prompt_ids),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stream": self.stream,
+            "stop": list(self.stop),
+        }
         if self.stream:
             body["stream_options"] = {"include_usage": self.include_usage}
         return body
@@ -124,31 +149,50 @@ def validate(data: dict[str, Any], limits: Limits) -> Job:
         first = error.errors()[0]
         param = str(first["loc"][0]) if first["loc"] else None
         if first["type"] == "extra_forbidden":
-            raise ApiError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                           code="unrecognized_argument") from None
-        raise ApiError(400, f"Invalid value for '{param}': {first['msg']}", param=param, code="invalid_type") from None
+            raise ApiError(
+                400,
+                f"Unrecognized request argument supplied: {param}",
+                param=param,
+                code="unrecognized_argument",
+            ) from None
+        raise ApiError(
+            400, f"Invalid value for '{param}': {first['msg']}", param=param, code="invalid_type"
+        ) from None
     if req.model is not None and req.model != limits.model_name:
         raise ApiError(404, f"The model '{req.model}' does not exist", param="model", code="model_not_found")
     if isinstance(req.prompt, list) and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
-            raise ApiError(400, "only one prompt per request is supported", param="prompt", code="unsupported")
+            raise ApiError(
+                400, "only one prompt per request is supported", param="prompt", code="unsupported"
+            )
         req.prompt = req.prompt[0]
     if isinstance(req.prompt, str):
         ids = ByteTokenizer().encode(req.prompt)
     else:
         ids = list(req.prompt)
         if any(not (0 <= t < 256) for t in ids):
-            raise ApiError(400, "token ids must be 0..255 (byte tokenizer)", param="prompt", code="invalid_value")
+            raise ApiError(
+                400, "token ids must be 0..255 (byte tokenizer)", param="prompt", code="invalid_value"
+            )
     if not ids:
         raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
     if len(ids) > limits.max_prompt_tokens:
-        raise ApiError(400, f"prompt is {len(ids)} tokens; the maximum is {limits.max_prompt_tokens}",
-                       param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"prompt is {len(ids)} tokens; the maximum is {limits.max_prompt_tokens}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if req.max_tokens <= 0:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
     if len(ids) + req.max_tokens > limits.max_model_len:
-        raise ApiError(400, f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context of "
-                       f"{limits.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context of "
+            f"{limits.max_model_len} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     if not (0.0 <= req.temperature <= 2.0):
         raise ApiError(400, "temperature must be between 0 and 2", param="temperature", code="invalid_value")
     if not (0.0 < req.top_p <= 1.0):
@@ -157,16 +201,32 @@ def validate(data: dict[str, Any], limits: Limits) -> Job:
         raise ApiError(400, "only n=1 is supported", param="n", code="unsupported")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP_STRINGS or any(not (0 < len(s) <= MAX_STOP_LEN) for s in stop):
-        raise ApiError(400, f"stop takes up to {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_LEN} characters",
-                       param="stop", code="invalid_value")
+        raise ApiError(
+            400,
+            f"stop takes up to {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_LEN} characters",
+            param="stop",
+            code="invalid_value",
+        )
     if req.seed is not None and not (0 <= req.seed < 1 << 63):
         raise ApiError(400, "seed must be a non-negative 64-bit integer", param="seed", code="invalid_value")
     if req.stream_options is not None and (not req.stream or set(req.stream_options) - {"include_usage"}):
-        raise ApiError(400, "stream_options needs stream=true and takes only include_usage",
-                       param="stream_options", code="invalid_value")
+        raise ApiError(
+            400,
+            "stream_options needs stream=true and takes only include_usage",
+            param="stream_options",
+            code="invalid_value",
+        )
     seed = req.seed if req.seed is not None else secrets.randbits(62)  # fixed here, so every server agrees
-    return Job(tuple(ids), req.max_tokens, float(req.temperature), float(req.top_p), seed, req.stream,
-               bool((req.stream_options or {}).get("include_usage")), stop)
+    return Job(
+        tuple(ids),
+        req.max_tokens,
+        float(req.temperature),
+        float(req.top_p),
+        seed,
+        req.stream,
+        bool((req.stream_options or {}).get("include_usage")),
+        stop,
+    )
 
 
 class StopMatcher:
@@ -185,9 +245,11 @@ class StopMatcher:
                 out, self.pending, self.stopped = self.pending[:at], "", True
                 self.text += out
                 return out
-        hold = max((k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        hold = max(
+            (k for s in self.stop for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0
+        )
         out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out):]
+        self.pending = self.pending[len(out) :]
         self.text += out
         return out
 
@@ -202,19 +264,35 @@ def completion_id(request_id: int) -> str:
 
 
 def chunk(request_id: int, model: str, text: str, finish_reason: str | None, created: int) -> bytes:
-    body = {"id": completion_id(request_id), "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    body = {
+        "id": completion_id(request_id),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def usage_chunk(request_id: int, model: str, created: int, prompt_tokens: int, completion_tokens: int) -> bytes:
-    body = {"id": completion_id(request_id), "object": "text_completion", "created": created, "model": model,
-            "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+def usage_chunk(
+    request_id: int, model: str, created: int, prompt_tokens: int, completion_tokens: int
+) -> bytes:
+    body = {
+        "id": completion_id(request_id),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -223,11 +301,23 @@ def error_chunk(error: ApiError) -> bytes:
     return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
 
 
-def completion(request_id: int, model: str, text: str, finish_reason: str, prompt_tokens: int,
-               completion_tokens: int, created: int) -> dict[str, Any]:
-    return {"id": completion_id(request_id), "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def completion(
+    request_id: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    created: int,
+) -> dict[str, Any]:
+    return {
+        "id": completion_id(request_id),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def now_s() -> int:
@@ -267,7 +357,3 @@ class ClosingStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 self.on_close()
-
-
-def error_response(error: api.ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)

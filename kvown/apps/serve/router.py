@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -74,12 +74,18 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvown_router_requests", "requests by outcome", ["outcome"], registry=self.registry)
-        self.upstream_errors = Counter("kvown_router_upstream_errors", "failed upstream calls", ["role"],
-                                       registry=self.registry)
-        self.ttft = Histogram("kvown_router_time_to_first_byte_seconds", "request arrival to first streamed bytes",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                              registry=self.registry)
+        self.requests = Counter(
+            "kvown_router_requests", "requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.upstream_errors = Counter(
+            "kvown_router_upstream_errors", "failed upstream calls", ["role"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "kvown_router_time_to_first_byte_seconds",
+            "request arrival to first streamed bytes",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
         self.registry.register(self)
         self.app = self._build_app()
 
@@ -89,8 +95,9 @@ class Router:
         for role in ("prefill", "decode"):
             live.add_metric([role], sum(1 for i in servers.values() if i.role == role))
         yield live
-        yield GaugeMetricFamily("kvown_router_inflight_requests", "requests in flight",
-                                value=sum(self.inflight.values()))
+        yield GaugeMetricFamily(
+            "kvown_router_inflight_requests", "requests in flight", value=sum(self.inflight.values())
+        )
 
     def servers(self) -> dict[str, RankInfo]:
         return self.directory.snapshot() if self.directory is not None else {}
@@ -98,9 +105,14 @@ class Router:
     def start(self, http: str) -> None:
         prefix = cluster_prefix(self.config.cluster)
         self.directory = PrefixWatcher(self.config.etcd, prefix).start()
-        self.registration = Registration(self.config.etcd, prefix, RankInfo(
-            name=self.config.name, role="router", pid=os.getpid(), started_ns=self.started_ns, http=http),
-            ttl_s=self.config.lease_ttl_s).start()
+        self.registration = Registration(
+            self.config.etcd,
+            prefix,
+            RankInfo(
+                name=self.config.name, role="router", pid=os.getpid(), started_ns=self.started_ns, http=http
+            ),
+            ttl_s=self.config.lease_ttl_s,
+        ).start()
 
     def close(self) -> None:
         if self.registration is not None:
@@ -116,19 +128,29 @@ class Router:
             raise api.ApiError(503, "no decode server is up", kind="server_error", code="no_server")
         with self._lock:
             decode = min(decodes, key=lambda i: self.inflight.get(i.name, 0))
-        prefills = [i for i in servers if i.role == "prefill" and i.meta.get("model") == decode.meta.get("model")]
+        prefills = [
+            i for i in servers if i.role == "prefill" and i.meta.get("model") == decode.meta.get("model")
+        ]
         if not prefills:
-            raise api.ApiError(503, "no prefill server with the decode server's model is up", kind="server_error",
-                               code="no_server")
+            raise api.ApiError(
+                503,
+                "no prefill server with the decode server's model is up",
+                kind="server_error",
+                code="no_server",
+            )
         return prefills[next(self._rr) % len(prefills)], decode
 
     @staticmethod
     def limits(decode: RankInfo) -> api.Limits:
         meta = decode.meta
-        ok = all(isinstance(meta.get(k), t) for k, t in
-                 (("model_name", str), ("max_model_len", int), ("max_prompt_tokens", int)))
+        ok = all(
+            isinstance(meta.get(k), t)
+            for k, t in (("model_name", str), ("max_model_len", int), ("max_prompt_tokens", int))
+        )
         if not ok:
-            raise api.ApiError(503, f"decode server {decode.name} advertises no model limits", kind="server_error")
+            raise api.ApiError(
+                503, f"decode server {decode.name} advertises no model limits", kind="server_error"
+            )
         return api.Limits(str(meta["model_name"]), int(meta["max_model_len"]), int(meta["max_prompt_tokens"]))
 
     def _next_id(self) -> int:
@@ -141,8 +163,11 @@ class Router:
     async def _abort(self, prefill: RankInfo, request_id: int) -> None:
         assert self.client is not None
         with contextlib.suppress(httpx.HTTPError):
-            await self.client.post(f"http://{prefill.http}/internal/abort", json={"request_id": request_id},
-                                   timeout=self.config.connect_timeout_s)
+            await self.client.post(
+                f"http://{prefill.http}/internal/abort",
+                json={"request_id": request_id},
+                timeout=self.config.connect_timeout_s,
+            )
 
     async def completion(self, request: Request, raw: bytes, t0: float) -> Response:
         assert self.client is not None
@@ -162,15 +187,24 @@ class Router:
         try:
             prefill_called = True
             await self._prefill(prefill, job, request_id)  # the first token reaches decode as the link's aux
-            upstream_body = {**job.to_json(), "kv_transfer": {"request_id": request_id, "prefill": prefill.name}}
-            upstream = self.client.build_request("POST", f"http://{decode.http}/internal/decode", json=upstream_body)
+            upstream_body = {
+                **job.to_json(),
+                "kv_transfer": {"request_id": request_id, "prefill": prefill.name},
+            }
+            upstream = self.client.build_request(
+                "POST", f"http://{decode.http}/internal/decode", json=upstream_body
+            )
             try:
                 response = await self.client.send(upstream, stream=True)
             except httpx.HTTPError as error:
                 self.upstream_errors.labels("decode").inc()
                 await self._abort(prefill, request_id)
-                raise api.ApiError(502, f"decode server {decode.name} failed: {type(error).__name__}",
-                                   kind="server_error", code="upstream_failed") from None
+                raise api.ApiError(
+                    502,
+                    f"decode server {decode.name} failed: {type(error).__name__}",
+                    kind="server_error",
+                    code="upstream_failed",
+                ) from None
             if response.status_code != 200:
                 raw = await response.aread()
                 await response.aclose()
@@ -181,15 +215,21 @@ class Router:
                     raw = await response.aread()
                 except httpx.HTTPError as error:
                     self.upstream_errors.labels("decode").inc()
-                    raise api.ApiError(502, f"decode server {decode.name} failed mid-answer: "
-                                       f"{type(error).__name__}", kind="server_error") from None
+                    raise api.ApiError(
+                        502,
+                        f"decode server {decode.name} failed mid-answer: {type(error).__name__}",
+                        kind="server_error",
+                    ) from None
                 finally:
                     await response.aclose()
                 self.requests.labels("completed").inc()
                 return Response(raw, media_type="application/json")
             handed_over = True
-            return ClosingStream(self._relay(response, decode.name, t0, done_with_decode),
-                                 on_close=lambda: None, media_type="text/event-stream")
+            return ClosingStream(
+                self._relay(response, decode.name, t0, done_with_decode),
+                on_close=lambda: None,
+                media_type="text/event-stream",
+            )
         except asyncio.CancelledError:
             # The client left before the stream started (rule 2). The cancelled upstream call closed its
             # connection, so a decode server cancels through its link; the prefill server is told to
@@ -209,13 +249,18 @@ class Router:
     async def _prefill(self, prefill: RankInfo, job: api.Job, request_id: int) -> int:
         assert self.client is not None
         try:
-            r = await self.client.post(f"http://{prefill.http}/internal/prefill",
-                                       json={**job.to_json(), "request_id": request_id})
+            r = await self.client.post(
+                f"http://{prefill.http}/internal/prefill", json={**job.to_json(), "request_id": request_id}
+            )
         except httpx.HTTPError as error:
             self.upstream_errors.labels("prefill").inc()
             await self._abort(prefill, request_id)
-            raise api.ApiError(502, f"prefill server {prefill.name} failed: {type(error).__name__}",
-                               kind="server_error", code="upstream_failed") from None
+            raise api.ApiError(
+                502,
+                f"prefill server {prefill.name} failed: {type(error).__name__}",
+                kind="server_error",
+                code="upstream_failed",
+            ) from None
         if r.status_code != 200:
             raise _as_api_error(r.status_code, r.content, prefill.name)
         try:
@@ -225,11 +270,14 @@ class Router:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             await self._abort(prefill, request_id)
-            raise api.ApiError(502, f"prefill server {prefill.name} answered nonsense", kind="server_error") from None
+            raise api.ApiError(
+                502, f"prefill server {prefill.name} answered nonsense", kind="server_error"
+            ) from None
         return int(first)
 
-    async def _relay(self, response: httpx.Response, decode: str, t0: float,
-                     done: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, response: httpx.Response, decode: str, t0: float, done: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
         outcome, first = "cancelled", True
         try:
             async for data in response.aiter_raw():
@@ -241,18 +289,31 @@ class Router:
         except httpx.HTTPError as error:
             outcome = "failed"
             self.upstream_errors.labels("decode").inc()
-            yield api.error_chunk(api.ApiError(502, f"decode server {decode} failed mid-stream: "
-                                               f"{type(error).__name__}", kind="server_error"))
+            yield api.error_chunk(
+                api.ApiError(
+                    502,
+                    f"decode server {decode} failed mid-stream: {type(error).__name__}",
+                    kind="server_error",
+                )
+            )
         finally:
             self.requests.labels(outcome).inc()
             done()
             await response.aclose()  # a client that left closes the upstream: the decode server cancels
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "role": "router", "name": self.config.name, "pid": os.getpid(),
-                "started_ns": self.started_ns, "inflight": dict(self.inflight),
-                "servers": {n: {"role": i.role, "http": i.http, "pid": i.pid, "started_ns": i.started_ns}
-                            for n, i in self.servers().items()}}
+        return {
+            "status": "ok",
+            "role": "router",
+            "name": self.config.name,
+            "pid": os.getpid(),
+            "started_ns": self.started_ns,
+            "inflight": dict(self.inflight),
+            "servers": {
+                n: {"role": i.role, "http": i.http, "pid": i.pid, "started_ns": i.started_ns}
+                for n, i in self.servers().items()
+            },
+        }
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvown serve router", docs_url=None, redoc_url=None)
@@ -291,7 +352,6 @@ class Router:
             return error_response(error)
 
 
-
 def _as_api_error(status: int, raw: bytes, upstream: str) -> api.ApiError:
     """An upstream's error body, re-validated (rule 3): keep its message only if it is well formed."""
     try:
@@ -319,15 +379,17 @@ def serve_router(config: RouterConfig, *, announce: Callable[[str], None] | None
     async def lifespan(_: Any) -> AsyncIterator[None]:
         await asyncio.to_thread(router.start, http)
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
-                                                                          max_keepalive_connections=64)) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        ) as client:
             router.client = client
             (announce or (lambda url: print(f"READY {url}", flush=True)))(f"http://{http}")
             yield
 
     router.app.router.lifespan_context = lifespan
-    uv = uvicorn.Server(uvicorn.Config(router.app, log_level="warning", timeout_graceful_shutdown=2,
-                                       access_log=False))
+    uv = uvicorn.Server(
+        uvicorn.Config(router.app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    )
     try:
         uv.run(sockets=[sock])
     finally:

@@ -48,9 +48,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
 from kvown.apps.serve import protocol as api
-from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response
 from kvown.apps.serve.kvlink import KVLink, RecvHandle, TransferFailed
 from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, PagedKVCache, TinyLM, sample
+from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response
 from kvown.core.errors import KvownError, PeerProtocolError
 
 ROLES = ("single", "prefill", "decode")
@@ -110,13 +110,22 @@ class Server:
         self.cache = PagedKVCache(config.model, config.num_blocks, device=device)
         self.alloc = BlockAllocator(config.num_blocks)
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
-        self.limits = api.Limits(config.model_name, config.model.max_model_len,
-                                 min(config.max_prompt_tokens, config.model.max_model_len - 1))
+        self.limits = api.Limits(
+            config.model_name,
+            config.model.max_model_len,
+            min(config.max_prompt_tokens, config.model.max_model_len - 1),
+        )
         self.started_ns = time.time_ns()
         self.link: KVLink | None = None
         if config.role != "single":
-            self.link = KVLink(config.name, self.cache, on_returned=self._link_returned, resolve=self._resolve,
-                               host=config.host, publish_timeout_s=config.publish_timeout_s)
+            self.link = KVLink(
+                config.name,
+                self.cache,
+                on_returned=self._link_returned,
+                resolve=self._resolve,
+                host=config.host,
+                publish_timeout_s=config.publish_timeout_s,
+            )
             self.link.pace_s = config.link_pace_s
         self.directory: PrefixWatcher | None = None
         self.registration: Registration | None = None
@@ -124,13 +133,22 @@ class Server:
         self._seq = 0
         disable_created_metrics()  # no *_created series: they only add noise to a scrape
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvown_serve_requests", "requests by outcome", ["outcome"], registry=self.registry)
+        self.requests = Counter(
+            "kvown_serve_requests", "requests by outcome", ["outcome"], registry=self.registry
+        )
         self.generated = Counter("kvown_serve_generated_tokens", "tokens generated", registry=self.registry)
-        self.ttft = Histogram("kvown_serve_time_to_first_token_seconds", "request arrival to first token sent",
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                              registry=self.registry)
-        self.link_returns = Counter("kvown_serve_link_returned_blocks", "blocks the KV link gave back",
-                                    ["outcome"], registry=self.registry)
+        self.ttft = Histogram(
+            "kvown_serve_time_to_first_token_seconds",
+            "request arrival to first token sent",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.link_returns = Counter(
+            "kvown_serve_link_returned_blocks",
+            "blocks the KV link gave back",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(self)  # ``collect`` below: gauges read at scrape time
         self.app = self._build_app()
 
@@ -143,7 +161,9 @@ class Server:
         yield GaugeMetricFamily("kvown_serve_inflight_requests", "requests in flight", value=self.inflight)
         if self.link is not None:
             stats = self.link.statistics()
-            link = GaugeMetricFamily("kvown_serve_link_blocks", "blocks lent to the KV link", labels=["state"])
+            link = GaugeMetricFamily(
+                "kvown_serve_link_blocks", "blocks lent to the KV link", labels=["state"]
+            )
             for state in ("owned", "held", "sending"):
                 link.add_metric([state], stats[state])
             yield link
@@ -151,8 +171,11 @@ class Server:
             moved.add_metric(["in"], stats["bytes_in"])
             moved.add_metric(["out"], stats["bytes_out"])
             yield moved
-            yield CounterMetricFamily("kvown_serve_link_protocol_errors", "malformed frames from peers",
-                                      value=stats["protocol_errors"])
+            yield CounterMetricFamily(
+                "kvown_serve_link_protocol_errors",
+                "malformed frames from peers",
+                value=stats["protocol_errors"],
+            )
 
     def _link_returned(self, request_id: int, blocks: tuple[int, ...], outcome: str) -> None:
         """The link's one way to give lent blocks back (any link thread)."""
@@ -169,11 +192,20 @@ class Server:
 
     def info(self, http: str) -> RankInfo:
         c = self.config
-        return RankInfo(name=c.name, role=c.role if c.role != "single" else "rank", pid=os.getpid(),
-                        started_ns=self.started_ns, http=http, link=self.link.address if self.link else "",
-                        meta={"model": c.model.digest(), "model_name": c.model_name,
-                              "max_model_len": self.limits.max_model_len,
-                              "max_prompt_tokens": self.limits.max_prompt_tokens})
+        return RankInfo(
+            name=c.name,
+            role=c.role if c.role != "single" else "rank",
+            pid=os.getpid(),
+            started_ns=self.started_ns,
+            http=http,
+            link=self.link.address if self.link else "",
+            meta={
+                "model": c.model.digest(),
+                "model_name": c.model_name,
+                "max_model_len": self.limits.max_model_len,
+                "max_prompt_tokens": self.limits.max_prompt_tokens,
+            },
+        )
 
     def start(self, http: str) -> None:
         """Join the cluster (etcd): register under a lease; a decode server also watches the prefill
@@ -183,8 +215,9 @@ class Server:
         prefix = cluster_prefix(self.config.cluster)
         if self.config.role == "decode":
             self.directory = PrefixWatcher(self.config.etcd, prefix, on_delete=self._on_peer_deleted).start()
-        self.registration = Registration(self.config.etcd, prefix, self.info(http),
-                                         ttl_s=self.config.lease_ttl_s).start()
+        self.registration = Registration(
+            self.config.etcd, prefix, self.info(http), ttl_s=self.config.lease_ttl_s
+        ).start()
 
     def close(self) -> None:
         if self.registration is not None:
@@ -196,10 +229,18 @@ class Server:
         self.compute.shutdown(wait=True, cancel_futures=True)
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "role": self.config.role, "name": self.config.name, "pid": os.getpid(),
-                "started_ns": self.started_ns, "model": self.config.model.digest(), "device": self.device,
-                "inflight": self.inflight, "blocks": self.alloc.statistics(),
-                "link": self.link.statistics() if self.link is not None else None}
+        return {
+            "status": "ok",
+            "role": self.config.role,
+            "name": self.config.name,
+            "pid": os.getpid(),
+            "started_ns": self.started_ns,
+            "model": self.config.model.digest(),
+            "device": self.device,
+            "inflight": self.inflight,
+            "blocks": self.alloc.statistics(),
+            "link": self.link.statistics() if self.link is not None else None,
+        }
 
     # --------------------------------------------------------------------------- request pieces
     async def _forward(self, req: _Req, tokens: list[int], start: int, table: list[int]) -> torch.Tensor:
@@ -235,14 +276,17 @@ class Server:
         try:
             return self.alloc.allocate(n)
         except OutOfBlocks as error:
-            raise api.ApiError(503, f"out of KV blocks: {error}", kind="server_error", code="overloaded") from None
+            raise api.ApiError(
+                503, f"out of KV blocks: {error}", kind="server_error", code="overloaded"
+            ) from None
 
     def _next_id(self) -> int:
         self._seq += 1
         return (os.getpid() << 32) | self._seq  # local ids only; routed requests carry the router's id
 
-    async def _respond(self, job: api.Job, req: _Req, first: int, table: list[int], request: Request,
-                       t0: float) -> Response:
+    async def _respond(
+        self, job: api.Job, req: _Req, first: int, table: list[int], request: Request, t0: float
+    ) -> Response:
         """Generate from ``first`` on, reading and writing KV through ``table``; stream or not.
 
         Ownership: takes over ``req``: whatever happens, ``_finish(req)`` runs exactly once.
@@ -293,7 +337,9 @@ class Server:
                     outcome = "completed"
                 except (KvownError, RuntimeError) as error:  # a model failure mid-stream
                     outcome = "failed"
-                    yield api.error_chunk(api.ApiError(500, f"generation failed: {error}", kind="server_error"))
+                    yield api.error_chunk(
+                        api.ApiError(500, f"generation failed: {error}", kind="server_error")
+                    )
                 finally:
                     settle(outcome)
 
@@ -315,8 +361,9 @@ class Server:
             self.generated.inc(count)
             self.ttft.observe(time.perf_counter() - t0)
             outcome = "completed"
-            return JSONResponse(api.completion(req.request_id, model_name, stop.text, finish, n_prompt, count,
-                                               created))
+            return JSONResponse(
+                api.completion(req.request_id, model_name, stop.text, finish, n_prompt, count, created)
+            )
         except (KvownError, RuntimeError) as error:
             outcome = "failed"
             raise api.ApiError(500, f"generation failed: {error}", kind="server_error") from None
@@ -358,8 +405,12 @@ class Server:
             self.alloc.give_back(blocks)
             raise api.ApiError(409, "request id already in use", param="request_id") from None
         self.requests.labels("prefilled").inc()
-        return {"request_id": request_id, "first_token": first, "prompt_tokens": len(job.prompt_ids),
-                "prefill": self.config.name}
+        return {
+            "request_id": request_id,
+            "first_token": first,
+            "prompt_tokens": len(job.prompt_ids),
+            "prefill": self.config.name,
+        }
 
     def _open(self, req: _Req, dest: list[int], writer: str) -> RecvHandle:
         """Worker thread: publish the destination; if the client left meanwhile, cancel at once."""
@@ -376,7 +427,9 @@ class Server:
             self.link.cancel(req.request_id)
         return handle
 
-    async def decode(self, job: api.Job, request_id: int, writer: str, request: Request, t0: float) -> Response:
+    async def decode(
+        self, job: api.Job, request_id: int, writer: str, request: Request, t0: float
+    ) -> Response:
         """Receive the prompt's KV from ``writer`` into own blocks, then decode from them."""
         c = self.config.model
         req = _Req(request_id)
@@ -389,24 +442,34 @@ class Server:
             landed = asyncio.wrap_future(handle.landed)
             gone = asyncio.ensure_future(api.disconnected(request))
             try:
-                await asyncio.wait({landed, gone}, timeout=self.config.landing_timeout_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {landed, gone}, timeout=self.config.landing_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 gone.cancel()  # from here on the response listens for the disconnect
             if not landed.done():
                 if gone.done() and not gone.cancelled():
                     raise ClientGone  # cancel now, mid-transfer if need be (rule 2)
-                raise api.ApiError(504, f"KV did not land within {self.config.landing_timeout_s} s",
-                                   kind="server_error", code="kv_timeout")
+                raise api.ApiError(
+                    504,
+                    f"KV did not land within {self.config.landing_timeout_s} s",
+                    kind="server_error",
+                    code="kv_timeout",
+                )
             aux = landed.result()
         except TransferFailed as error:
             self._finish(req)
-            raise api.ApiError(502, f"KV transfer from {writer} failed: {error.reason}", kind="server_error",
-                               code="kv_transfer_failed") from None
+            raise api.ApiError(
+                502,
+                f"KV transfer from {writer} failed: {error.reason}",
+                kind="server_error",
+                code="kv_transfer_failed",
+            ) from None
         except PeerProtocolError as error:
             self._finish(req)
-            raise api.ApiError(502, f"KV link refused {writer}: {error}", kind="server_error",
-                               code="kv_link_refused") from None
+            raise api.ApiError(
+                502, f"KV link refused {writer}: {error}", kind="server_error", code="kv_link_refused"
+            ) from None
         except BaseException:
             self._finish(req)
             raise
@@ -432,12 +495,14 @@ class Server:
             return await self._guard(lambda: self._local(request, t0))
 
         if role == "prefill":
+
             @app.post("/internal/prefill")
             async def internal_prefill(request: Request) -> Response:
                 async def go() -> Response:
                     body = api.parse_body(await request.body())
                     rid = _request_id(body.pop("request_id", None))
                     return JSONResponse(await self.prefill(api.validate(body, self.limits), rid))
+
                 return await self._guard(go)
 
             @app.post("/internal/abort")
@@ -447,9 +512,11 @@ class Server:
                     assert self.link is not None
                     self.link.abort_send(_request_id(body.get("request_id")))
                     return JSONResponse({"aborted": True})
+
                 return await self._guard(go)
 
         if role == "decode":
+
             @app.post("/internal/decode")
             async def internal_decode(request: Request) -> Response:
                 t0 = time.perf_counter()
@@ -458,9 +525,14 @@ class Server:
                     body = api.parse_body(await request.body())
                     kv = body.pop("kv_transfer", None)
                     if not isinstance(kv, dict) or not isinstance(kv.get("prefill"), str):
-                        raise api.ApiError(400, "kv_transfer must name the prefill server", param="kv_transfer")
+                        raise api.ApiError(
+                            400, "kv_transfer must name the prefill server", param="kv_transfer"
+                        )
                     job = api.validate(body, self.limits)
-                    return await self.decode(job, _request_id(kv.get("request_id")), kv["prefill"], request, t0)
+                    return await self.decode(
+                        job, _request_id(kv.get("request_id")), kv["prefill"], request, t0
+                    )
+
                 return await self._guard(go)
 
         return app
@@ -519,8 +591,9 @@ def serve(config: ServeConfig, *, announce: Callable[[str], None] | None = None)
         yield
 
     server.app.router.lifespan_context = lifespan
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=2,
-                                       access_log=False))
+    uv = uvicorn.Server(
+        uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    )
     try:
         uv.run(sockets=[sock])
     finally:
