@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -34,6 +35,17 @@ def find_etcd() -> str | None:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for children: SIGTERM them when the thread that started them dies (Linux), so a
+    killed test runner or ``serve local`` never leaves etcd or a server behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _free_port() -> int:
@@ -95,7 +107,8 @@ class EtcdProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the servers first; etcd stops last
+                preexec_fn=die_with_parent,
             )
         self.endpoint = client
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from kvown.apps.serve.etcd import EtcdProcess
+from kvown.apps.serve.etcd import EtcdProcess, die_with_parent
 from kvown.core.errors import AdapterError
 
 _REPO = str(Path(__file__).resolve().parents[3])
@@ -46,6 +46,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
             stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
         )
         self.url: str | None = None
         self._ready = threading.Event()
