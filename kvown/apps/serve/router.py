@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -372,7 +371,7 @@ def _relay_error(status: int, raw: bytes, upstream: str) -> Response:
 def serve_router(config: RouterConfig, *, announce: Callable[[str], None] | None = None) -> int:
     """Run the router until SIGINT/SIGTERM; prints ``READY http://host:port`` once it serves."""
     router = Router(config)
-    sock = socket.create_server((config.host, config.port))
+    sock = api.listen(config.host, config.port)
     http = f"{config.host}:{sock.getsockname()[1]}"
 
     @contextlib.asynccontextmanager

@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -581,7 +580,7 @@ def serve(config: ServeConfig, *, announce: Callable[[str], None] | None = None)
     is left registered); shutdown revokes the etcd lease, closes the link and the model thread.
     """
     server = Server(config)
-    sock = socket.create_server((config.host, config.port))
+    sock = api.listen(config.host, config.port)
     http = f"{config.host}:{sock.getsockname()[1]}"
 
     @contextlib.asynccontextmanager
