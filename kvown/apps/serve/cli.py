@@ -158,7 +158,7 @@ def _run_local(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     """Entry of ``kvown serve``. Called: once per process, from the main thread."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[1], file=sys.stderr if not argv else sys.stdout)
+        print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[2], file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     command, rest = argv[0], argv[1:]
     if command in ("prefill", "decode", "single"):
