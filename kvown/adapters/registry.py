@@ -385,11 +385,12 @@ class RankInfo:
         meta = data.get("meta", {})
         if not isinstance(meta, dict) or len(meta) > 64:
             raise PeerProtocolError("rank info meta must be a small object", field="meta")
+        # Types are checked by ``validate`` right below; until then these are untrusted values.
         info = cls(
-            name=data.get("name"),
-            role=data.get("role"),
-            pid=data.get("pid"),
-            started_ns=data.get("started_ns"),
+            name=data.get("name"),  # type: ignore[arg-type]
+            role=data.get("role"),  # type: ignore[arg-type]
+            pid=data.get("pid"),  # type: ignore[arg-type]
+            started_ns=data.get("started_ns"),  # type: ignore[arg-type]
             http=data.get("http", ""),
             link=data.get("link", ""),
             meta=meta,

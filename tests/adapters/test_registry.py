@@ -68,8 +68,8 @@ def test_lease_expiry_deletes_key_and_keepalive_keeps_it(etcd):
         c.put("/t2/dying", b"x", lease_id=dying)
         kept = Registration(etcd, "/t2/", _info("kept"), ttl_s=1).start()
         try:
-            assert _wait(lambda: c.get("/t2/dying") is None, 6), "an unrenewed 1 s lease outlived 6 s"
-            time.sleep(2.5)  # more than twice the TTL: only the keep-alive thread can explain survival
+            assert _wait(lambda: c.get("/t2/dying") is None, 12), "an unrenewed lease outlived 12 s"
+            time.sleep(3.0)  # past the effective TTL (etcd raises 1 s to 2 s): only the keep-alive explains it
             assert RankInfo.parse(c.get("/t2/kept")) == _info("kept")
         finally:
             kept.close()
@@ -91,8 +91,10 @@ def test_watcher_sees_put_and_dead_rank_without_deadline(etcd):
             c.put("/t3/p0", _info("p0").encode(), lease_id=lease)
             assert _wait(lambda: watcher.get("p0") is not None, 5)
             t0 = time.monotonic()
-            assert _wait(lambda: ("delete", "p0") in events, 8)
-            assert time.monotonic() - t0 < 4  # about one TTL, not a request deadline
+            # etcd raises a 1 s TTL to its minimum (2 s here) and checks expiry in batches, which lag
+            # on a loaded machine: allow 12 s, still well under any request deadline (30 s)
+            assert _wait(lambda: ("delete", "p0") in events, 12)
+            assert time.monotonic() - t0 < 12
             assert watcher.get("p0") is None
     finally:
         watcher.stop()

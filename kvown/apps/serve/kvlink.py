@@ -89,6 +89,8 @@ class Reason(enum.IntEnum):
 class TransferFailed(KvownError):
     """A destination will never land: ``reason`` says why (cancelled, writer_lost, writer_expired...)."""
 
+    reason: str
+
     def __init__(self, reason: str, **fields: object) -> None:
         super().__init__("KV transfer failed", reason=reason, **fields)
 
@@ -684,10 +686,8 @@ class KVLink:
         except PeerProtocolError as error:
             self.counters["protocol_errors"] += 1
             with contextlib.suppress(OSError):
-                sock.sendall(
-                    HEADER.pack(MAGIC, VERSION, Kind.REFUSED, 0, 0, len(str(error.field).encode()))
-                    + str(error.field).encode()
-                )
+                field_name = str(getattr(error, "field", "hello")).encode()[:256]
+                sock.sendall(HEADER.pack(MAGIC, VERSION, Kind.REFUSED, 0, 0, len(field_name)) + field_name)
             sock.close()
             return
         except (OSError, ConnectionError, struct.error):

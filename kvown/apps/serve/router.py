@@ -71,7 +71,7 @@ class Router:
         self.registration: Registration | None = None
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvown_router_requests", "requests by outcome", ["outcome"], registry=self.registry

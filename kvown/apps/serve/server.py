@@ -130,7 +130,7 @@ class Server:
         self.registration: Registration | None = None
         self.inflight = 0
         self._seq = 0
-        disable_created_metrics()  # no *_created series: they only add noise to a scrape
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: they only add noise to a scrape
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvown_serve_requests", "requests by outcome", ["outcome"], registry=self.registry
@@ -438,8 +438,8 @@ class Server:
         self.alloc.lend(dest)
         try:
             handle = await asyncio.to_thread(self._open, req, dest, writer)
-            landed = asyncio.wrap_future(handle.landed)
-            gone = asyncio.ensure_future(api.disconnected(request))
+            landed: asyncio.Future[Any] = asyncio.wrap_future(handle.landed)
+            gone: asyncio.Future[Any] = asyncio.ensure_future(api.disconnected(request))
             try:
                 await asyncio.wait(
                     {landed, gone}, timeout=self.config.landing_timeout_s, return_when=asyncio.FIRST_COMPLETED
@@ -543,7 +543,8 @@ class Server:
     async def _guard(self, handler: Callable[[], Any]) -> Response:
         """Rule 3: every failure of a request becomes an error response; the server keeps serving."""
         try:
-            return await handler()
+            response: Response = await handler()
+            return response
         except api.ApiError as error:
             self.requests.labels("rejected" if error.status < 500 else "failed").inc()
             return error_response(error)
