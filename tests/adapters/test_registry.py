@@ -69,7 +69,7 @@ def test_lease_expiry_deletes_key_and_keepalive_keeps_it(etcd):
         kept = Registration(etcd, "/t2/", _info("kept"), ttl_s=1).start()
         try:
             assert _wait(lambda: c.get("/t2/dying") is None, 12), "an unrenewed lease outlived 12 s"
-            time.sleep(3.0)  # past the effective TTL (etcd raises 1 s to 2 s): only the keep-alive explains it
+            time.sleep(3.0)  # past the effective TTL (etcd raises 1 s to 2 s): only keep-alive explains it
             assert RankInfo.parse(c.get("/t2/kept")) == _info("kept")
         finally:
             kept.close()
