@@ -11,7 +11,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import complete, text_of, wait_at_rest
+from servekit import complete, text_of, wait_at_rest
 
 BAD_REQUESTS = [
     ({"prompt": "", "max_tokens": 4}, 400, "prompt"),

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import torch
-from conftest import need_etcd
+from servekit import need_etcd
 
 from kvown.apps.serve.local import LocalStack
 from kvown.apps.serve.model import ByteTokenizer, ModelConfig, TinyLM, generate_reference

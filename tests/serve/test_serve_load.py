@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import identities, wait_at_rest
+from servekit import identities, wait_at_rest
 
 from kvown.apps.serve.model import ByteTokenizer, ModelConfig, TinyLM, generate_reference
 
