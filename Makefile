@@ -13,7 +13,7 @@ TORCH_PIN := $(shell grep -E '^torch==' $(LOCK))
 
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all setup test demo bench docs clean
+.PHONY: all setup etcd test demo bench docs clean
 
 all: test
 
@@ -26,9 +26,17 @@ $(STAMP): $(LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
-setup: $(STAMP)
+setup: $(STAMP) etcd
 
-test: $(STAMP)
+# etcd (Debian's etcd-server) for the discovery tests and `kvown serve local`. Idempotent: nothing when
+# the binary is there; apt-get only as root; otherwise a note (those tests then skip with a reason).
+etcd:
+	@if command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
+	else echo "etcd is missing: apt-get install etcd-server (etcd tests will skip)"; fi
+
+test: $(STAMP) etcd
 	$(VENV)/bin/python -m pytest
 
 demo: $(STAMP)

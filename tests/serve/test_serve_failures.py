@@ -1,0 +1,97 @@
+"""Killing the prefill server (SIGKILL) while clients stream: every affected client gets an error, none
+hangs; requests whose KV had landed finish with the right tokens; the decode server gives every
+destination of the dead writer back (its link's reader exited: nothing can write there any more) and
+keeps serving; once the dead server's lease expires the router answers 503 at once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import openai
+import torch
+from servekit import need_etcd
+
+from kvown.apps.serve.local import LocalStack
+from kvown.apps.serve.model import ByteTokenizer, ModelConfig, TinyLM, generate_reference
+
+
+def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
+    need_etcd()
+    torch.set_num_threads(1)
+    model, tok = TinyLM(ModelConfig()), ByteTokenizer()
+    prompts = [f"victim {i} " + "z" * (150 + 40 * i) for i in range(6)]
+    expected = {p: tok.decode(generate_reference(model, tok.encode(p), 40)) for p in prompts}
+    # a slow fabric (150 ms per 4-block frame: 0.5-1 s per request) keeps transfers in flight when the
+    # prefill dies, so some clients are waiting for KV that will never land
+    args = ["--num-blocks", "512", "--link-pace-ms", "150"]
+    with LocalStack(server_args=args, log_dir=tmp_path, lease_ttl_s=2) as stack:
+        decode_before = httpx.get(f"{stack.procs['decode'].url}/health", timeout=5).json()
+        outcomes: list[str] = []
+        lock = threading.Lock()
+        kill_at, stop_at = time.monotonic() + 2.5, time.monotonic() + 4.5
+
+        def client(i: int) -> None:
+            rng = random.Random(i)
+            c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=20)
+            while time.monotonic() < stop_at:
+                prompt = rng.choice(prompts)
+                text = ""
+                try:
+                    for event in c.completions.create(
+                        model="kvown-tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True
+                    ):
+                        text += event.choices[0].text if event.choices else ""
+                    result = "ok" if text == expected[prompt] else "mismatch"
+                except openai.APITimeoutError:
+                    result = "hang"
+                except (openai.APIStatusError, openai.APIError, openai.APIConnectionError):
+                    result = "error"
+                with lock:
+                    outcomes.append(result)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(max(kill_at - time.monotonic(), 0))
+        stack.procs["prefill"].kill()
+        for t in threads:
+            t.join(40)
+        assert not any(t.is_alive() for t in threads), "a client hung"
+        assert "hang" not in outcomes and "mismatch" not in outcomes, outcomes
+        assert outcomes.count("ok") > 0 and outcomes.count("error") > 0, outcomes
+
+        # the decode server is alive, restarted nothing, and holds nothing for the dead writer
+        decode = stack.procs["decode"].url
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{decode}/health", timeout=5).json()
+            b, link = health["blocks"], health["link"]
+            if b["free"] == b["total"] and link["owned"] == link["held"] == 0 and health["inflight"] == 0:
+                break
+            time.sleep(0.1)
+        assert health["blocks"]["free"] == health["blocks"]["total"], health
+        assert health["link"]["held"] == 0 and health["link"]["owned"] == 0, health
+        print(
+            "decode link after the kill:",
+            health["link"],
+            "outcomes:",
+            {k: outcomes.count(k) for k in set(outcomes)},
+        )
+        assert health["link"]["recv_failed"] >= 1  # destinations of the dead writer failed, then came back
+        assert (health["pid"], health["started_ns"]) == (decode_before["pid"], decode_before["started_ns"])
+
+        # the lease runs out (TTL 2 s): the router stops offering the dead prefill server
+        deadline = time.monotonic() + 20  # etcd's expiry can lag its TTL on a loaded machine
+        while time.monotonic() < deadline:
+            if "prefill-0" not in httpx.get(f"{stack.url}/health", timeout=5).json()["servers"]:
+                break
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        r = httpx.post(f"{stack.url}/v1/completions", json={"prompt": "anyone?", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_server"
+        assert time.monotonic() - t0 < 2
+        assert not set(stack.dead()) - {"prefill"}
