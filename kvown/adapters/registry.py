@@ -1,9 +1,11 @@
 """Discovery for worlds launched apart: a small etcd v3 client (JSON gateway over HTTP, via httpx).
 
 Owns: ``EtcdClient`` (put / get / list by prefix / delete / leases / watch on one etcd endpoint),
-``Registration`` (one rank's info under a lease that a named thread keeps alive), ``PrefixWatcher``
-(a live, validated view of every rank under a prefix, with put and delete callbacks) and ``RankInfo``
-(what a rank publishes about itself).
+``LeasedKey`` / ``Registration`` (a value, or one rank's info, under a lease that a named thread keeps
+alive), ``PrefixWatcher`` (a live, validated view of every value under a prefix, with put and delete
+callbacks) and ``RankInfo`` (what a server publishes about itself). kvown's own peer records
+(``kvown.adapters.transport.PeerInfo``) travel through the same leases and watchers
+(``kvown.rank.connect_registry``).
 
 Rules:
   1. Untrusted bytes. Everything etcd returns (its JSON, keys, base64 values, revisions) and every
@@ -427,36 +429,38 @@ class RankInfo:
 # ---------------------------------------------------------------------------------- lease + watcher
 
 
-class Registration:
-    """Publish one rank's info under ``prefix + name`` with a leased TTL, renewed by a named thread.
+class LeasedKey:
+    """Publish ``value`` under ``key`` with a leased TTL, renewed by a named thread.
 
-    Called: ``start`` once after the rank can serve; ``close`` once at exit (revokes: peers see the
-    rank gone at once). ``on_lost`` runs on the keep-alive thread if the lease expired anyway (etcd
-    unreachable for a whole TTL); the rank is then invisible and should re-register or exit.
+    Called: ``start`` once after the owner can serve; ``close`` once at exit (revokes: watchers see it
+    gone at once). ``on_lost`` runs on the keep-alive thread if the lease expired anyway (etcd
+    unreachable for a whole TTL); the owner is then invisible and should re-register or exit.
     After error: ``start`` raises ``AdapterError`` when etcd is unreachable; nothing is left behind.
     """
 
     def __init__(
         self,
         endpoint: str,
-        prefix: str,
-        info: RankInfo,
+        key: str,
+        value: bytes,
         *,
         ttl_s: int = 5,
         on_lost: Callable[[], None] | None = None,
     ) -> None:
-        self.key = _check_key(prefix + info.name)
-        self._endpoint, self._info, self._ttl_s, self._on_lost = endpoint, info, ttl_s, on_lost
+        if len(value) > MAX_VALUE_NBYTES:
+            raise ConfigError("value too large for the registry", field="value", nbytes=len(value))
+        self.key = _check_key(key)
+        self._endpoint, self._value, self._ttl_s, self._on_lost = endpoint, value, ttl_s, on_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lease_id = 0
 
-    def start(self) -> Registration:
+    def start(self) -> LeasedKey:
         with EtcdClient(self._endpoint) as client:
             self.lease_id = client.grant_lease(self._ttl_s)
-            client.put(self.key, self._info.encode(), lease_id=self.lease_id)
+            client.put(self.key, self._value, lease_id=self.lease_id)
         self._thread = threading.Thread(
-            target=self._keep_alive, name=f"etcd-lease-{self._info.name}", daemon=True
+            target=self._keep_alive, name=f"etcd-lease-{self.key.rsplit('/', 1)[-1]}", daemon=True
         )
         self._thread.start()
         return self
@@ -487,6 +491,22 @@ class Registration:
             self.lease_id = 0
 
 
+class Registration(LeasedKey):
+    """One rank's ``RankInfo`` under ``prefix + name``, leased (see ``LeasedKey``)."""
+
+    def __init__(self, endpoint: str, prefix: str, info: RankInfo, *, ttl_s: int = 5,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        super().__init__(endpoint, prefix + info.name, info.encode(), ttl_s=ttl_s, on_lost=on_lost)
+
+
+def parse_rank_info(name: str, raw: bytes) -> RankInfo:
+    """The default ``PrefixWatcher`` parser: a ``RankInfo`` whose name is its key's last part."""
+    info = RankInfo.parse(raw)
+    if info.name != name:
+        raise PeerProtocolError("rank info name differs from its key", field="name", key=name, value=info.name)
+    return info
+
+
 class PrefixWatcher:
     """A live view ``{name: RankInfo}`` of every rank under ``prefix``, kept by a named thread.
 
@@ -501,15 +521,17 @@ class PrefixWatcher:
         endpoint: str,
         prefix: str,
         *,
-        on_put: Callable[[RankInfo], None] | None = None,
+        on_put: Callable[[Any], None] | None = None,
         on_delete: Callable[[str], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         read_timeout_s: float = 5.0,
+        parse: Callable[[str, bytes], Any] = parse_rank_info,
     ) -> None:
         self._endpoint, self._prefix = endpoint, _check_key(prefix)
+        self._parse = parse  # (name under the prefix, raw value) -> value; raises PeerProtocolError
         self._on_put, self._on_delete, self._on_error = on_put, on_delete, on_error
         self._read_timeout_s = read_timeout_s
-        self._view: dict[str, RankInfo] = {}
+        self._view: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._synced = threading.Event()
@@ -522,11 +544,11 @@ class PrefixWatcher:
             raise AdapterError("etcd watcher got no first snapshot", endpoint=self._endpoint)
         return self
 
-    def snapshot(self) -> dict[str, RankInfo]:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._view)
 
-    def get(self, name: str) -> RankInfo | None:
+    def get(self, name: str) -> Any:
         with self._lock:
             return self._view.get(name)
 
@@ -543,11 +565,7 @@ class PrefixWatcher:
         name = key[len(self._prefix) :]
         if kind == "put":
             try:
-                info = RankInfo.parse(value)
-                if info.name != name:
-                    raise PeerProtocolError(
-                        "rank info name differs from its key", field="name", key=key, value=info.name
-                    )
+                info = self._parse(name, value)
             except PeerProtocolError as error:
                 self._report(error)
                 kind = "delete"  # a malformed value replaces whatever was there: treat as gone

@@ -163,7 +163,7 @@ class Driver:
         self.inn = InboundStreams(rank)
         self.stats: collections.Counter[str] = collections.Counter()
         self.fatal: FailStop | None = None
-        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.layout.num_blocks) if config.canary else None
+        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.num_blocks) if config.canary else None
         self._now_ns = 0
         self._retry_ns = int(config.control_retry_s * 1e9)
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
@@ -297,7 +297,7 @@ class Driver:
                     command.handle.outcome.set_exception(
                         LocalProtocolError("request already has a live send session here", field="request_id",
                                            request_id=rid))
-                    command.handle.released.set()
+                    _finish(command.handle, command.handle.released)
                     return
                 aux_slot = self._take_aux() if command.aux is not None else -1
                 if command.aux is not None and aux_slot < 0:
@@ -357,7 +357,10 @@ class Driver:
                 from kvown.cache.pool import PoolExhausted
 
                 raise PoolExhausted("no free aux slot", requested=1, free=0, owner=rid)
-            blocks = self.pool.allocate(command.num_blocks, owner=rid)
+            if command.blocks:  # bring-your-own memory: the server lends these (kvown.cache.lent)
+                blocks = self.pool.lend(command.blocks, owner=rid)  # type: ignore[attr-defined]
+            else:
+                blocks = self.pool.allocate(command.num_blocks, owner=rid)
         except KvownError as exc:  # PoolExhausted: back-pressure, nothing changed
             if aux_slot >= 0:
                 self._aux_free.append(aux_slot)
@@ -370,7 +373,7 @@ class Driver:
                 ticket.future.set_exception(AdmissionError("this rank is fail-stopping", request_id=rid,
                                                            reason=str(exc)))
                 raise
-        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now)
+        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now, on_done=command.on_done)
         self._recvs[rid] = handle
         ticket.future.set_result(handle)
         self.recorder.record("open_receive", rid, writers=list(command.writers))
@@ -539,7 +542,7 @@ class Driver:
                         if state.aux_slot >= 0:
                             self._aux_free.append(state.aux_slot)
                         state.handle.released_ns = self._now_ns
-                        state.handle.released.set()
+                        _finish(state.handle, state.handle.released)
                 case AdmissionRefused():
                     self.stats["admission_refused"] += 1
                     self._refuse(core, action)
@@ -593,7 +596,7 @@ class Driver:
             self._aux_free.append(handle.aux_slot)
         handle.retired_ns = self._now_ns
         self.recorder.record("retire", rid, blocks=len(handle.blocks))
-        handle.retired.set()
+        _finish(handle, handle.retired)
 
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
@@ -603,7 +606,7 @@ class Driver:
                 if state.aux_slot >= 0:
                     self._aux_free.append(state.aux_slot)
                 state.handle.outcome.set_exception(error)
-                state.handle.released.set()
+                _finish(state.handle, state.handle.released)
             return
         handle = self._recvs.pop(action.request_id, None)
         if handle is not None:
@@ -611,7 +614,7 @@ class Driver:
             if handle.aux_slot >= 0:
                 self._aux_free.append(handle.aux_slot)
             handle.outcome.set_exception(error)
-            handle.retired.set()
+            _finish(handle, handle.retired)
 
     def _verify_canaries(self, blocks: tuple[int, ...], rid: int) -> None:
         broken = self.canaries.check(blocks)  # type: ignore[union-attr]
@@ -642,6 +645,13 @@ class Driver:
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The aux payload of a landed request. Called: by the consumer after ``landed`` (any thread)."""
         return bytes(self._aux_view(handle.aux_slot).numpy())
+
+
+def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:
+    """The handle's last word: its event, then its ``on_done`` (the embedding server's hand-back)."""
+    done.set()
+    if handle.on_done is not None:
+        handle.on_done(handle)
 
 
 __all__ = ["Driver"]
