@@ -302,9 +302,10 @@ class Driver:
                 aux_slot = self._take_aux() if command.aux is not None else -1
                 if command.aux is not None and aux_slot < 0:
                     self.stats["aux_exhausted"] += 1  # the AUX piece will be reported FAILED
-                elif aux_slot >= 0:
-                    self._aux_view(aux_slot)[: len(command.aux)] = torch.frombuffer(bytearray(command.aux),  # type: ignore[arg-type]
-                                                                                    dtype=torch.uint8)
+                elif aux_slot >= 0:  # the whole slot: no bytes of its previous payload survive
+                    view = self._aux_view(aux_slot)
+                    view.zero_()
+                    view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
                 command.handle.opened_ns = now
                 self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
                 self.recorder.record("open_send", rid, pieces=len(command.tokens))

@@ -1,17 +1,28 @@
 """Killing the prefill server (SIGKILL) while clients stream: every affected client gets an error, none
-hangs; requests whose KV had landed finish with the right tokens; the decode server gives every
-destination of the dead writer back (its link's reader exited: nothing can write there any more) and
-keeps serving; once the dead server's lease expires the router answers 503 at once.
+hangs; requests whose KV had landed finish with the right tokens; and the decode server does what its
+link promises (docs/embedding.md section 7):
+
+* loopback link: its reader of the dead writer's connection exited, which proves nothing can write any
+  more, so every destination of the dead writer comes back and the decode server keeps serving;
+* kvown link: a dead writer's lease proves nothing about its WRITEs, so a destination it had not
+  settled stays held, and the decode server fail-stops (SIGKILL of itself) at that request's deadline -
+  or sooner, once a control frame to the dead writer could not be sent within the resend budget
+  (CONTROL_LOST) - its flight recorder naming the writer. It never reuses the blocks.
+
+Once the dead server's lease expires the router answers 503 at once.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import torch
 from servekit import need_etcd
 
@@ -19,15 +30,17 @@ from kvown.apps.serve.local import LocalStack
 from kvown.apps.serve.model import ByteTokenizer, ModelConfig, TinyLM, generate_reference
 
 
-def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
+@pytest.mark.parametrize("link", ["loopback", "kvown"])
+def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path, link):
     need_etcd()
     torch.set_num_threads(1)
     model, tok = TinyLM(ModelConfig()), ByteTokenizer()
     prompts = [f"victim {i} " + "z" * (150 + 40 * i) for i in range(6)]
     expected = {p: tok.decode(generate_reference(model, tok.encode(p), 40)) for p in prompts}
-    # a slow fabric (150 ms per 4-block frame: 0.5-1 s per request) keeps transfers in flight when the
-    # prefill dies, so some clients are waiting for KV that will never land
-    args = ["--num-blocks", "512", "--link-pace-ms", "150"]
+    # a slow fabric keeps transfers in flight when the prefill dies, so some clients are waiting for KV
+    # that will never land (loopback: 150 ms per 4-block frame; kvown: every WRITE reports DONE 1 s late)
+    pace = "150" if link == "loopback" else "1000"
+    args = ["--num-blocks", "512", "--link-pace-ms", pace, "--link", link, "--landing-timeout", "3"]
     with LocalStack(server_args=args, log_dir=tmp_path, lease_ttl_s=2) as stack:
         decode_before = httpx.get(f"{stack.procs['decode'].url}/health", timeout=5).json()
         outcomes: list[str] = []
@@ -64,6 +77,9 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
         assert "hang" not in outcomes and "mismatch" not in outcomes, outcomes
         assert outcomes.count("ok") > 0 and outcomes.count("error") > 0, outcomes
 
+        if link == "kvown":
+            _decode_fail_stops_at_the_deadline_holding_the_blocks(stack, tmp_path)
+            return
         # the decode server is alive, restarted nothing, and holds nothing for the dead writer
         decode = stack.procs["decode"].url
         deadline = time.monotonic() + 15
@@ -95,3 +111,22 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_server"
         assert time.monotonic() - t0 < 2
         assert not set(stack.dead()) - {"prefill"}
+
+
+def _decode_fail_stops_at_the_deadline_holding_the_blocks(stack, tmp_path) -> None:
+    """kvown's guarantee: no proof from the dead writer, so no reuse; the decode rank fail-stops by the
+    deadline (landing timeout 3 s + grace 3 s after exposure): there, or when its stream to the dead
+    writer proves broken (a CANCEL_SESSION or REQUEST_DATA that cannot be sent for 1 s)."""
+    decode = stack.procs["decode"]
+    held = httpx.get(f"{decode.url}/health", timeout=5).json()["link"]["held"]
+    assert held > 0  # the dead writer's destinations: held, not given back
+    deadline = time.monotonic() + 20
+    while decode.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not decode.alive(), "the decode server should have fail-stopped at the deadline"
+    assert decode.proc.returncode == -9  # its own SIGKILL: no MPI world to abort
+    flights = list(Path(stack.log_dir).glob("kvown-flight-rank1-*.jsonl"))  # LocalStack: dumps beside the logs
+    assert flights, "the decode rank left no flight recorder"
+    header = json.loads(flights[0].read_text().splitlines()[0])
+    assert header["reason"] in ("deadline", "control_lost"), header
+    assert "writer 0" in header["detail"] or "rank 0" in header["detail"], header

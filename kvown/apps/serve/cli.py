@@ -61,6 +61,9 @@ def _cluster_options(p: argparse.ArgumentParser, *, etcd_required: bool) -> None
 def _run_server(role: str, argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=f"kvown serve {role}")
     p.add_argument("--name", default=f"{role}-0", help="unique in the cluster")
+    p.add_argument("--link", choices=["kvown", "loopback"], default="kvown",
+                   help="how KV moves: kvown (NIXL WRITEs, ownership with proof) or loopback (reference TCP)")
+    p.add_argument("--rank", type=int, default=-1, help="this server's kvown rank, unique in the cluster")
     _cluster_options(p, etcd_required=role != "single")
     _model_options(p)
     a = p.parse_args(argv)
@@ -96,6 +99,8 @@ def _run_server(role: str, argv: list[str]) -> int:
             publish_timeout_s=a.publish_timeout,
             lease_ttl_s=a.lease_ttl,
             link_pace_s=a.link_pace_ms / 1000,
+            link=a.link,
+            kvown_rank=a.rank,
         )
     )
 

@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -34,9 +35,9 @@ _REPO = str(Path(__file__).resolve().parents[3])
 class ServerProcess:
     """One ``kvown serve ROLE`` child. ``url`` is known once ``wait_ready`` returned."""
 
-    def __init__(self, role: str, args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, role: str, args: Sequence[str], log_path: Path, extra_env: dict[str, str] | None = None) -> None:
         self.role, self.log_path = role, log_path
-        env = dict(os.environ)
+        env = {**os.environ, **(extra_env or {})}
         env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
@@ -121,9 +122,12 @@ class LocalStack:
         self.etcd: EtcdProcess | None = None
         self.procs: dict[str, ServerProcess] = {}
         self.url = ""
+        self.job_key = os.environ.get("KVOWN_JOB_KEY") or secrets.token_bytes(32).hex()
 
     def _spawn(self, key: str, role: str, args: Sequence[str]) -> ServerProcess:
-        proc = ServerProcess(role, args, self.log_dir / f"{key}.log")
+        # one job key per stack: every server's kvown frames are sealed with it (KVOWN_JOB_KEY)
+        env = {"KVOWN_JOB_KEY": self.job_key, "KVOWN_FLIGHT_DIR": os.environ.get("KVOWN_FLIGHT_DIR") or str(self.log_dir)}
+        proc = ServerProcess(role, args, self.log_dir / f"{key}.log", env)
         self.procs[key] = proc
         return proc
 
@@ -145,8 +149,9 @@ class LocalStack:
                 "--lease-ttl",
                 str(self.lease_ttl_s),
             ]
-            prefill = self._spawn("prefill", "prefill", [*common, "--name", "prefill-0", *self.server_args])
-            decode = self._spawn("decode", "decode", [*common, "--name", "decode-0", *self.server_args])
+            prefill = self._spawn("prefill", "prefill",
+                                  [*common, "--name", "prefill-0", "--rank", "0", *self.server_args])
+            decode = self._spawn("decode", "decode", [*common, "--name", "decode-0", "--rank", "1", *self.server_args])
             router = self._spawn(
                 "router", "router", [*common, "--name", "router-0", "--port", str(self.port)]
             )

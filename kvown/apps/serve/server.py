@@ -72,7 +72,9 @@ class ServeConfig:
     landing_timeout_s: float = 30.0
     publish_timeout_s: float = 30.0
     lease_ttl_s: int = 3
-    link_pace_s: float = 0.0  # tests only: a slow fabric (sleep between DATA frames), to cancel mid-transfer
+    link_pace_s: float = 0.0  # tests only: a slow fabric (slow WRITEs / DATA frames), to cancel mid-transfer
+    link: str = "kvown"  # "kvown" (NIXL WRITEs, ownership with proof) or "loopback" (the reference TCP link)
+    kvown_rank: int = -1  # this server's kvown rank, unique in the cluster (kvown link only)
 
 
 class ClientGone(Exception):
@@ -115,8 +117,27 @@ class Server:
             min(config.max_prompt_tokens, config.model.max_model_len - 1),
         )
         self.started_ns = time.time_ns()
-        self.link: KVLink | None = None
-        if config.role != "single":
+        self.link: Any = None
+        if config.role != "single" and config.link == "kvown":
+            from kvown.apps.serve.kvownlink import KvownLink
+
+            if config.etcd is None or config.kvown_rank < 0:
+                raise KvownError("the kvown link needs --etcd and --rank", field="kvown_rank")
+            self.link = KvownLink(
+                config.name,
+                self.cache,
+                on_returned=self._link_returned,
+                etcd=config.etcd,
+                cluster=config.cluster,
+                rank=config.kvown_rank,
+                role=config.role,
+                rank_of=self._rank_of,
+                publish_timeout_s=config.publish_timeout_s,
+                transfer_timeout_s=config.landing_timeout_s,
+                slow_writes_ms=round(config.link_pace_s * 1000),
+                lease_ttl_s=config.lease_ttl_s,
+            )
+        elif config.role != "single":
             self.link = KVLink(
                 config.name,
                 self.cache,
@@ -185,6 +206,11 @@ class Server:
         info = self.directory.get(name) if self.directory is not None else None
         return info.link if info is not None and info.role == "prefill" else None
 
+    def _rank_of(self, name: str) -> int | None:
+        info = self.directory.get(name) if self.directory is not None else None
+        rank = info.meta.get("kvown_rank") if info is not None and info.role == "prefill" else None
+        return rank if type(rank) is int else None
+
     def _on_peer_deleted(self, name: str) -> None:
         if self.link is not None:
             self.link.peer_gone(name)
@@ -199,6 +225,7 @@ class Server:
             http=http,
             link=self.link.address if self.link else "",
             meta={
+                **({"kvown_rank": c.kvown_rank} if c.link == "kvown" else {}),
                 "model": c.model.digest(),
                 "model_name": c.model_name,
                 "max_model_len": self.limits.max_model_len,
