@@ -9,7 +9,8 @@ been the world kill, so a test can assert a fail-stop without dying.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvown.cache.layout import KVLayout
 from kvown.cache.space import BlockSpace
@@ -31,12 +32,13 @@ def local_world(
     roles: dict[int, set[str]],
     *,
     layout: KVLayout | None = None,
+    device: str = "cpu",
     config: TransferConfig | None = None,
     kill: Callable[[object, int], None] | None = None,
     memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
 ) -> dict[int, RankRuntime]:
     """Start one runtime per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``), each with
-    kvown's own pool of ``layout``, or with the server memory ``memory[rank] = (space, on_returned)``.
+    kvown's own pool of ``layout`` on ``device``, or with the server memory ``memory[rank] = (space, on_returned)``.
 
     Called: once per test. Stop each with ``rt.close()``.
     """
@@ -49,7 +51,7 @@ def local_world(
     for rank, r in roles.items():
         space, on_returned = memory.get(rank, (None, None))
         built[rank] = LocalRank.build(rank, config, _roles(r), job=job, layout=None if space else layout,
-                                      memory=space, on_returned=on_returned)
+                                      device=device, memory=space, on_returned=on_returned)
     for local in built.values():
         local.bind_metrics()
     out = {}
