@@ -277,7 +277,7 @@ class RankRuntime:
         def crash_world(kind: type[BaseException], value: BaseException, tb: Any) -> None:
             previous(kind, value, tb)
             if not self.closed:  # a fail-stop the engine latched first is the cause: report that one
-                self.executor.request(self.driver.fatal or FailStop(
+                self.executor.request(self.executor.requested or self.driver.fatal or FailStop(
                     FatalReason.RANK_CRASH, None, f"uncaught exception in rank {self.rank}'s main thread: {value!r}"))
 
         sys.excepthook = crash_world

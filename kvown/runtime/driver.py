@@ -254,8 +254,7 @@ class Driver:
             moved |= bool(self._events)
             self._pump()
         except InvariantViolation as exc:  # rule 6
-            self._fail_stop(FailStop(FatalReason.INVARIANT, getattr(exc, "request_id", None),
-                                     f"{exc}\n{traceback.format_exc()}"))
+            self._fail_stop(_invariant_fail_stop(exc))
             return True
         return moved
 
@@ -370,9 +369,10 @@ class Driver:
         if self.canaries is not None:
             try:
                 self._verify_canaries(blocks, rid)
-            except InvariantViolation as exc:  # the caller hears of it; the step fail-stops (rule 6)
-                ticket.future.set_exception(AdmissionError("this rank is fail-stopping", request_id=rid,
-                                                           reason=str(exc)))
+            except InvariantViolation as exc:  # rule 6, latched before the caller hears of it: its thread
+                self._fail_stop(_invariant_fail_stop(exc))  # may die of the answer at once, and its exit
+                ticket.future.set_exception(AdmissionError(  # hook must report this cause, not a crash
+                    "this rank is fail-stopping", request_id=rid, reason=str(exc)))
                 raise
         handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now, on_done=command.on_done)
         self._recvs[rid] = handle
@@ -653,6 +653,11 @@ def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:
     done.set()
     if handle.on_done is not None:
         handle.on_done(handle)
+
+
+def _invariant_fail_stop(exc: InvariantViolation) -> FailStop:
+    """The INVARIANT fail-stop for ``exc``, with the traceback of the exception being handled."""
+    return FailStop(FatalReason.INVARIANT, getattr(exc, "request_id", None), f"{exc}\n{traceback.format_exc()}")
 
 
 __all__ = ["Driver"]

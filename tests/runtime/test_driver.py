@@ -211,3 +211,23 @@ def test_the_duplicate_id_check_catches_a_registry_that_overwrites(monkeypatch: 
     monkeypatch.setattr(LiveRequests, "claim", LiveRequests.replace)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         _duplicate_ids_are_refused()
+
+
+@pytest.mark.timeout(30)
+def test_a_canary_fail_stop_is_latched_before_the_caller_hears_of_it() -> None:
+    """A late write found by the canary fails the receive with AdmissionError. The caller's thread may die
+    of that at once, and its exit hook reports driver.fatal: the INVARIANT must already be latched then,
+    or the world is killed as a mere rank crash (seen in the demo's retire-on-cancel mutant)."""
+    p = Pair()
+    rid, handle, _ = p.transfer(1)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    p.drivers[RX].pool.block_view(handle.blocks[0])[0] ^= 0xFF  # a write lands after retirement
+    ticket = p.rx.submit_receive(make_request_id(1, 2), LAYOUT.num_blocks, (TX,))
+    seen_at_answer = []
+    ticket.future.add_done_callback(lambda f: seen_at_answer.append(p.drivers[RX].fatal))
+    p.run(ticket.future.done, steps=5)
+    assert "fail-stopping" in str(ticket.future.exception(0))
+    assert seen_at_answer and seen_at_answer[0] is not None
+    assert seen_at_answer[0].reason is FatalReason.INVARIANT and "canary" in seen_at_answer[0].detail
+    assert p.fatal[RX] is seen_at_answer[0]
