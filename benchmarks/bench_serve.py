@@ -1,8 +1,10 @@
 """Time to first token and tokens/s of the reference server: disaggregated against single-process.
 
-Starts both stacks in the same run (``kvown serve local`` and ``kvown serve local --single``: same
-model, same seed, same KV blocks), then sends the same streamed greedy workload to each, alternating
-single / disaggregated per round so machine load drifts hit both alike. Measured at the client:
+Starts three stacks in the same run (``kvown serve local --single``; ``kvown serve local``, whose KV
+moves over kvown and NIXL; and ``kvown serve local --link loopback``, the same servers with an
+in-process copy instead of kvown: same model, same seed, same KV blocks), then sends the same
+streamed greedy workload to each, alternating per round so machine load drifts hit all alike.
+Measured at the client:
   - TTFT: request sent -> first streamed text (p50, p90), ms;
   - tokens/s: completion tokens / wall time of the round;
   - end-to-end latency p50, ms.
@@ -113,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         "results": {},
         "mismatches": 0,
     }
-    with LocalStack(single=True, server_args=args) as single, LocalStack(server_args=args) as disagg:
-        urls = {"single": single.url, "disaggregated": disagg.url}
+    with (
+        LocalStack(single=True, server_args=args) as single,
+        LocalStack(server_args=[*args, "--link", "kvown"]) as disagg,
+        LocalStack(server_args=[*args, "--link", "loopback"]) as loopback,
+    ):
+        urls = {"single": single.url, "disaggregated": disagg.url, "disaggregated_loopback": loopback.url}
         for url in urls.values():  # warm up both (first forwards, connections)
             _round(url, prompts[:4], 4, 2)
         for c in levels:
@@ -123,20 +129,24 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, url in urls.items():
                     per_mode[mode].append(_round(url, prompts, a.max_tokens, c))
             ref = per_mode["single"][0]["texts"]
-            for r in per_mode["disaggregated"]:
+            for r in per_mode["disaggregated"] + per_mode["disaggregated_loopback"]:
                 report["mismatches"] += sum(r["texts"][i] != ref[i] for i in ref)
             for mode, rounds in per_mode.items():
                 report["results"].setdefault(mode, {})[f"c{c}"] = {
                     k: statistics.median(r[k] for r in rounds)
                     for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms", "wall_s")
                 } | {"requests": sum(r["requests"] for r in rounds)}
-    report["ratios_disagg_over_single"] = {
-        f"c{c}": {
-            k: report["results"]["disaggregated"][f"c{c}"][k] / report["results"]["single"][f"c{c}"][k]
-            for k in ("tokens_per_s", "ttft_p50_ms", "e2e_p50_ms")
+    def ratios(num: str, den: str) -> dict:
+        return {
+            f"c{c}": {
+                k: report["results"][num][f"c{c}"][k] / report["results"][den][f"c{c}"][k]
+                for k in ("tokens_per_s", "ttft_p50_ms", "e2e_p50_ms")
+            }
+            for c in levels
         }
-        for c in levels
-    }
+
+    report["ratios_disagg_over_single"] = ratios("disaggregated", "single")
+    report["ratios_kvown_link_over_loopback"] = ratios("disaggregated", "disaggregated_loopback")
     text = json.dumps(report, indent=2)
     print(text)
     if a.json:

@@ -345,6 +345,20 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_app(app: Any, sock: socket.socket, close: Callable[[], None]) -> int:
+    """Run ``app`` with uvicorn on the ``listen`` socket until it is told to stop; then ``close()``
+    the server behind it and the socket, whatever ended the run. Returns the process exit status."""
+    import uvicorn
+
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False))
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        close()
+        sock.close()
+    return 0
+
+
 def cluster_prefix(cluster: str) -> str:
     """The etcd prefix every server of one cluster registers under."""
     return f"/kvown/serve/{cluster}/"

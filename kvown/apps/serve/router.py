@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -42,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
 from kvown.apps.serve import protocol as api
-from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response
+from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response, serve_app
 from kvown.core.ids import MAX_EPOCH, MAX_SEQ, make_request_id
 
 
@@ -386,12 +385,4 @@ def serve_router(config: RouterConfig, *, announce: Callable[[str], None] | None
             yield
 
     router.app.router.lifespan_context = lifespan
-    uv = uvicorn.Server(
-        uvicorn.Config(router.app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
-    )
-    try:
-        uv.run(sockets=[sock])
-    finally:
-        router.close()
-        sock.close()
-    return 0
+    return serve_app(router.app, sock, router.close)

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -49,7 +48,7 @@ from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
 from kvown.apps.serve import protocol as api
 from kvown.apps.serve.kvlink import KVLink, RecvHandle, TransferFailed
 from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, PagedKVCache, TinyLM, sample
-from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response
+from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response, serve_app
 from kvown.core.errors import KvownError, PeerProtocolError
 
 ROLES = ("single", "prefill", "decode")
@@ -618,15 +617,7 @@ def serve(config: ServeConfig, *, announce: Callable[[str], None] | None = None)
         yield
 
     server.app.router.lifespan_context = lifespan
-    uv = uvicorn.Server(
-        uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
-    )
-    try:
-        uv.run(sockets=[sock])
-    finally:
-        server.close()
-        sock.close()
-    return 0
+    return serve_app(server.app, sock, server.close)
 
 
 def _print_ready(url: str) -> None:
