@@ -1,0 +1,213 @@
+"""The crash matrix (issue 11): kill one rank at each protocol point, in each mode, in a real mpirun world.
+
+A cell is (mode, point, role, kind): the world of tests/multiproc/worlds/crash_world.py runs its
+workload until the named crash point of ``kvown.testing.faults`` fires on the rank that sees it, and
+then the victim (the writer, rank 0, or the receiver, the last rank) dies by SIGKILL or by an uncaught
+exception in its main thread. Each cell checks:
+
+  1. the point fired (OUT/crash.json), so the cell is not vacuous;
+  2. every rank's PID is gone within grace + 1 s of that instant (``KVOWN_RANK_CRASH_GRACE_S`` = 1);
+  3. the world ended as a crash (exit 137: killed, or RANK_CRASH), never as a deadline, an invariant
+     (a broken retirement canary is one) or an engine crash;
+  4. every rank that did not die by SIGKILL left a flight recorder (the victim of "raise" its own
+     fail-stop dump, the others the launcher-SIGTERM dump);
+  5. no block was reused while a writer might still write: in the receiver's flight recorder every
+     retirement of a request comes after proof (a KV_RESULT or SESSION_QUIESCED for that request) from
+     every writer it was published to, and the receiver's canaries never fired.
+
+Every cell runs in the slow run (``-m slow``); CI runs ``CI_SLICE``. Two planted bugs show that the
+checks can fail: a receiver that retires a cancelled session without proof (check 5) and a runtime
+whose exit hooks are off (check 2). ``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvown.runtime.flight import read_flight_file
+from kvown.testing.faults import CRASH_POINTS
+from worldkit import ROOT, WORLDS, mpirun
+
+WORLD = WORLDS / "crash_world.py"
+MODES = ("gen-first", "ctx-first", "fan-in", "broadcast")
+ROLES = ("sender", "receiver")
+KINDS = ("kill", "raise")
+GRACE_S = 1.0
+BOUND_S = 90.0  # a whole world, start-up included; only a hang gets near it
+CI_SLICE = {
+    ("gen-first", "write-posted", "receiver", "kill"),
+    ("ctx-first", "write-done", "sender", "raise"),
+    ("fan-in", "cancel-sent", "sender", "kill"),
+    ("broadcast", "retire", "receiver", "raise"),
+}
+PROOF = ("KV_RESULT", "SESSION_QUIESCED")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except OSError:
+        return False
+
+
+def run_cell(tmp_path: Path, mode: str, point: str, role: str, kind: str, mutant: str = "") -> dict:
+    """Launch one world, watch its PIDs, and return the figures and what the checks need."""
+    ranks = 2 if mode in ("gen-first", "ctx-first") else 3
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN", "KVOWN_FLIGHT_DIR": str(tmp_path),
+           "KVOWN_RANK_CRASH_GRACE_S": str(GRACE_S), "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, str(WORLD), mode, point, role, kind, str(tmp_path), *([mutant] if mutant else [])]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(mpirun(ranks) + argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = t0 + BOUND_S
+    pids: dict[int, int] = {}
+    crash: dict | None = None
+    gone_ns = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(pids) < ranks:
+            pids = {r: json.loads(p.read_text())["pid"] for r in range(ranks)
+                    if (p := tmp_path / f"rank{r}.json").exists()}
+        if crash is None and (tmp_path / "crash.json").exists():
+            crash = json.loads((tmp_path / "crash.json").read_text())
+        if crash is not None and len(pids) == ranks and not any(pid_alive(p) for p in pids.values()):
+            gone_ns = time.monotonic_ns()
+            break
+        time.sleep(0.002)
+    try:
+        output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0]
+    if crash is None and (tmp_path / "crash.json").exists():
+        crash = json.loads((tmp_path / "crash.json").read_text())
+    if gone_ns is None and crash is not None and pids and not any(pid_alive(p) for p in pids.values()):
+        gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
+    flights = {}
+    for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(tmp_path.glob("term/kvown-flight-rank*.jsonl")):
+        records = read_flight_file(path)
+        if records:
+            flights.setdefault(records[0]["rank"], []).append(records)
+    return {"ranks": ranks, "rc": proc.returncode, "output": output or "", "crash": crash, "pids": pids,
+            "gone_s": None if gone_ns is None or crash is None else (gone_ns - crash["t_ns"]) / 1e9,
+            "wall_s": time.monotonic() - t0, "flights": flights,
+            "victim": 0 if role == "sender" else ranks - 1, "receiver": ranks - 1}
+
+
+def retirements_without_proof(events: list[dict]) -> list[str]:
+    """Check 5 on one receiver recorder: each retire of a request after proof from each of its writers."""
+    writers: dict[int, list[int]] = {}
+    proven: dict[int, set[int]] = {}
+    problems = []
+    for e in events:
+        rid, kind, detail = e["request_id"], e["kind"], e["detail"]
+        if kind == "open_receive":
+            writers[rid] = list(detail["writers"])
+            proven[rid] = set()
+        elif kind == "recv" and detail.get("msg") in PROOF and rid in proven:
+            proven[rid].add(detail["src"])
+        elif kind == "retire" and rid in writers:
+            missing = [w for w in writers[rid] if w not in proven[rid]]
+            if missing:
+                problems.append(f"request {rid} retired without proof from writer(s) {missing}")
+    return problems
+
+
+def problems_of(cell: dict, kind: str) -> list[str]:
+    """Checks 1-5 of the module docstring; an empty list is a pass."""
+    crash = cell["crash"]
+    if crash is None:
+        return [f"the crash point never fired (exit {cell['rc']})"]
+    problems = []
+    if cell["gone_s"] is None or cell["gone_s"] > GRACE_S + 1.0:
+        problems.append(f"ranks not all gone within grace + 1 s: {cell['gone_s']}")
+    if cell["rc"] != 137:
+        problems.append(f"world exit code {cell['rc']}, want 137 (a crash, not a deadline or an invariant)")
+    reasons = {r: [recs[0]["reason"] for recs in dumps] for r, dumps in cell["flights"].items()}
+    if any(reason in ("invariant", "deadline", "engine_crash") for rs in reasons.values() for reason in rs):
+        problems.append(f"a rank fail-stopped for another reason: {reasons}")
+    expected = [r for r in range(cell["ranks"]) if not (kind == "kill" and r == cell["victim"])]
+    missing = [r for r in expected if r not in reasons]
+    if missing:
+        problems.append(f"no flight recorder from rank(s) {missing} (they did not die by SIGKILL): {reasons}")
+    if kind == "raise" and "rank_crash" not in reasons.get(cell["victim"], []):
+        problems.append(f"the victim's own dump does not name the crash: {reasons.get(cell['victim'])}")
+    for records in cell["flights"].get(cell["receiver"], []):
+        problems += retirements_without_proof([r for r in records if r["type"] == "event"])
+    return problems
+
+
+def report(cell_id: str, cell: dict, problems: list[str]) -> None:
+    path = os.environ.get("KVOWN_CRASH_REPORT")
+    if path:
+        crash = cell["crash"] or {}
+        receiver_checked = bool(cell["flights"].get(cell["receiver"]))
+        with open(path, "a") as f:
+            f.write(json.dumps({"cell": cell_id, "gone_s": cell["gone_s"], "wall_s": round(cell["wall_s"], 2),
+                                "rc": cell["rc"], "request": crash.get("request"), "ok": not problems,
+                                "receiver_recorder_checked": receiver_checked}) + "\n")
+
+
+CELLS = [
+    pytest.param(*cell, id="-".join(cell), marks=() if cell in CI_SLICE else (pytest.mark.slow,))
+    for cell in itertools.product(MODES, CRASH_POINTS, ROLES, KINDS)
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("mode", "point", "role", "kind"), CELLS)
+def test_crash_cell(tmp_path, mode, point, role, kind):
+    cell = run_cell(tmp_path, mode, point, role, kind)
+    problems = problems_of(cell, kind)
+    report(f"{mode}-{point}-{role}-{kind}", cell, problems)
+    assert not problems, "\n".join(problems) + "\n" + cell["output"][-2500:]
+    assert cell["crash"]["point"] == point and cell["crash"]["victim"] == cell["victim"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == "broadcast" else (pytest.mark.slow,))
+                                  for m in MODES])
+def test_without_a_crash_every_request_ends_and_every_point_is_reached(tmp_path, mode):
+    """The control cell: no crash; the workload ends cleanly and passes each point at least as often as
+    the matrix's ``nth`` needs, on the rank that observes it (so no cell can pass by never firing)."""
+    cell = run_cell(tmp_path, mode, "none", "sender", "kill")
+    assert cell["rc"] == 0, cell["output"][-3000:]
+    ends = {r: json.loads((tmp_path / f"rank{r}.end.json").read_text()) for r in range(cell["ranks"])}
+    rx = ends[cell["receiver"]]
+    assert rx["outcomes"] == ["completed", "cancelled"] * 4
+    nth = {"before-publish": 5, "request-data": 5, "write-posted": 3, "write-done": 3, "kv-result-sent": 3,
+           "cancel-sent": 2, "quiesced-sent": 2, "retire": 4}
+    for point, need in nth.items():
+        observer = cell["receiver"] if point in ("before-publish", "request-data", "cancel-sent", "retire") else 0
+        assert ends[observer]["counts"][point] >= need, (point, ends[observer]["counts"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_the_matrix_catches_a_receiver_that_retires_without_proof(tmp_path):
+    """Planted bug: cancelled sessions retire at once, before the writer's word. Check 5 must see it."""
+    cell = run_cell(tmp_path, "gen-first", "cancel-sent", "sender", "kill", mutant="retire-without-proof")
+    problems = problems_of(cell, "kill")
+    assert any("retired without proof" in p for p in problems), (problems, cell["output"][-2000:])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_matrix_catches_a_runtime_without_exit_hooks(tmp_path):
+    """Planted bug: the runtime's exit hooks are off, so a rank whose main thread dies leaves its peers
+    running until a deadline. Check 2 must see it."""
+    cell = run_cell(tmp_path, "gen-first", "write-posted", "sender", "raise", mutant="no-exit-hooks")
+    problems = problems_of(cell, "raise")
+    assert any("not all gone" in p for p in problems), (problems, cell["gone_s"], cell["output"][-2000:])
