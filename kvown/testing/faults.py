@@ -23,7 +23,10 @@ matching call (``nth=0``: every call); ``pct=P`` instead fires on P % of matchin
 the wrapper's seeded ``rng``; with ``nth`` too, only from the N-th call on); ``rank`` restricts it to
 one rank; ``ms`` is a delay (``slow-writer`` with ``pct`` delays each chosen WRITE by a uniform
 0..ms). Names: ``stuck-writer``, ``slow-writer`` (default 300 ms), ``slow-control`` (default 20 ms),
-``send-raise``, ``send-raise-after``, ``drop-frame``, and the crash points. Example:
+``send-raise``, ``send-raise-after``, ``drop-frame``, ``late-frame`` (that one frame is held back
+``ms``, default 1000 ms, then delivered: frames behind it on its stream wait for it), and the crash
+points. Dropped and late frames are counted by kind (``dropped_KV_RESULT``, ``late_CANCEL_SESSION``).
+Example:
 ``stuck-writer:rank=0:nth=3``, ``slow-writer:pct=20:ms=5``, ``crash-write-posted:rank=0:nth=2``.
 
 Crash points (``CRASH_POINTS``), named by what this rank's transport sees, never by a sleep:
@@ -68,8 +71,8 @@ from kvown.core.messages import TAG_NBYTES, ControlKind
 CRASH_POINTS = ("before-publish", "request-data", "write-posted", "write-done", "kv-result-sent", "cancel-sent",
                 "quiesced-sent", "retire")
 PLAN_NAMES = ("stuck-writer", "slow-writer", "slow-control", "send-raise", "send-raise-after", "drop-frame",
-              *(f"crash-{p}" for p in CRASH_POINTS))
-_DEFAULT_MS = {"slow-writer": 300, "slow-control": 20}
+              "late-frame", *(f"crash-{p}" for p in CRASH_POINTS))
+_DEFAULT_MS = {"slow-writer": 300, "slow-control": 20, "late-frame": 1000}
 # frame kind -> (crash point before the send, crash point after it)
 _SEND_POINTS = {
     ControlKind.REQUEST_DATA: ("before-publish", "request-data"),
@@ -241,6 +244,15 @@ class FaultyTransport:
             raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
         self.raised.pop(frame, None)
         if self._fires("drop-frame", p.p_drop):
+            kind = frame_kind(frame)
+            self.counts[f"dropped_{kind.name if kind is not None else '?'}"] += 1
+            return
+        late = self.plan.get("late-frame")
+        if late is not None and late.fires(self.rng):
+            kind = frame_kind(frame)
+            self.counts[f"late_{kind.name if kind is not None else '?'}"] += 1
+            self._order += 1
+            heapq.heappush(self._out, (self.clock() + late.ms * 1_000_000, self._order, rank, frame))
             return
         copies = [frame, frame] if self._fires("dup", p.p_dup) else [frame]
         if self._fires("corrupt", p.p_corrupt):

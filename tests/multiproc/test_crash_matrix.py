@@ -25,101 +25,20 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from kvown.runtime.flight import read_flight_file
+from crashkit import GRACE_S, MODES, retirements_without_proof, run_cell
 from kvown.testing.faults import CRASH_POINTS
-from worldkit import ROOT, WORLDS, mpirun
 
-WORLD = WORLDS / "crash_world.py"
-MODES = ("gen-first", "ctx-first", "fan-in", "broadcast")
 ROLES = ("sender", "receiver")
 KINDS = ("kill", "raise")
-GRACE_S = 1.0
-BOUND_S = 90.0  # a whole world, start-up included; only a hang gets near it
 CI_SLICE = {
     ("gen-first", "write-posted", "receiver", "kill"),
     ("ctx-first", "write-done", "sender", "raise"),
     ("fan-in", "cancel-sent", "sender", "kill"),
     ("broadcast", "retire", "receiver", "raise"),
 }
-PROOF = ("KV_RESULT", "SESSION_QUIESCED")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except OSError:
-        return False
-
-
-def run_cell(tmp_path: Path, mode: str, point: str, role: str, kind: str, mutant: str = "") -> dict:
-    """Launch one world, watch its PIDs, and return the figures and what the checks need."""
-    ranks = 2 if mode in ("gen-first", "ctx-first") else 3
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN", "KVOWN_FLIGHT_DIR": str(tmp_path),
-           "KVOWN_RANK_CRASH_GRACE_S": str(GRACE_S), "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, str(WORLD), mode, point, role, kind, str(tmp_path), *([mutant] if mutant else [])]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(mpirun(ranks) + argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = t0 + BOUND_S
-    pids: dict[int, int] = {}
-    crash: dict | None = None
-    gone_ns = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(pids) < ranks:
-            pids = {r: json.loads(p.read_text())["pid"] for r in range(ranks)
-                    if (p := tmp_path / f"rank{r}.json").exists()}
-        if crash is None and (tmp_path / "crash.json").exists():
-            crash = json.loads((tmp_path / "crash.json").read_text())
-        if crash is not None and len(pids) == ranks and not any(pid_alive(p) for p in pids.values()):
-            gone_ns = time.monotonic_ns()
-            break
-        time.sleep(0.002)
-    try:
-        output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0]
-    if crash is None and (tmp_path / "crash.json").exists():
-        crash = json.loads((tmp_path / "crash.json").read_text())
-    if gone_ns is None and crash is not None and pids and not any(pid_alive(p) for p in pids.values()):
-        gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
-    flights = {}
-    for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(tmp_path.glob("term/kvown-flight-rank*.jsonl")):
-        records = read_flight_file(path)
-        if records:
-            flights.setdefault(records[0]["rank"], []).append(records)
-    return {"ranks": ranks, "rc": proc.returncode, "output": output or "", "crash": crash, "pids": pids,
-            "gone_s": None if gone_ns is None or crash is None else (gone_ns - crash["t_ns"]) / 1e9,
-            "wall_s": time.monotonic() - t0, "flights": flights,
-            "victim": 0 if role == "sender" else ranks - 1, "receiver": ranks - 1}
-
-
-def retirements_without_proof(events: list[dict]) -> list[str]:
-    """Check 5 on one receiver recorder: each retire of a request after proof from each of its writers."""
-    writers: dict[int, list[int]] = {}
-    proven: dict[int, set[int]] = {}
-    problems = []
-    for e in events:
-        rid, kind, detail = e["request_id"], e["kind"], e["detail"]
-        if kind == "open_receive":
-            writers[rid] = list(detail["writers"])
-            proven[rid] = set()
-        elif kind == "recv" and detail.get("msg") in PROOF and rid in proven:
-            proven[rid].add(detail["src"])
-        elif kind == "retire" and rid in writers:
-            missing = [w for w in writers[rid] if w not in proven[rid]]
-            if missing:
-                problems.append(f"request {rid} retired without proof from writer(s) {missing}")
-    return problems
 
 
 def problems_of(cell: dict, kind: str) -> list[str]:

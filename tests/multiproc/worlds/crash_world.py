@@ -12,8 +12,9 @@ argv: MODE POINT ROLE KIND OUT [MUTANT]
   ROLE   which rank dies: "sender" (rank 0) or "receiver" (the last rank)
   KIND   "kill": SIGKILL; "raise": an uncaught exception in the victim's main thread
   MUTANT ""; "retire-without-proof": the receiver retires a cancelled session without waiting for the
-         writers' proof; "no-exit-hooks": the runtime's exit hooks are off (a rank whose main thread
-         dies leaves its peers running)
+         writers' proof; "timer-free": the receiver stops waiting for the writers of a session that
+         timed out; "no-exit-hooks": the runtime's exit hooks are off (a rank whose main thread dies
+         leaves its peers running)
 
 The point is seen by one rank's transport (the receiver's for before-publish, request-data,
 cancel-sent and retire; writer 0's for the others) - the *observer*. When it fires, the observer writes
@@ -27,6 +28,10 @@ requests cancelled by the receiver right after publication. Canaries are on. Eve
 SIGTERM first and dumps its flight recorder when the launcher terminates it (OUT/term/), and its
 fail-stop executor dumps into OUT (KVOWN_FLIGHT_DIR). Every rank writes OUT/rank{R}.json with its pid
 at start and its counts at the end. Every wait is bounded.
+
+The lost-frame worlds (tests/multiproc/test_lost_frames_world.py) reuse this one with POINT "none":
+``CRASH_WORLD_PLAN`` adds fault-plan entries (``drop-frame:rank=0:nth=3``) and ``CRASH_WORLD_TIMEOUT_S``
+sets the transfer timeout and the grace (default 5 s each).
 """
 
 from __future__ import annotations
@@ -93,13 +98,20 @@ if POINT == "none":  # count every point: entries that never fire still count th
     plan = ",".join(f"crash-{p}:nth=1000000" for p in CRASH_POINTS)
 else:
     plan = f"crash-{POINT}:rank={OBSERVER}:nth={NTH[POINT]}"
+plan = ",".join(filter(None, [plan, os.environ.get("CRASH_WORLD_PLAN", "")]))
+TIMEOUT_S = float(os.environ.get("CRASH_WORLD_TIMEOUT_S", "5"))
 if MUTANT == "retire-without-proof" and rank == RX:
     from kvown.core import receiver as _receiver
 
     _has_claims = _receiver.ReceiveSession.has_claims
     _receiver.ReceiveSession.has_claims = lambda s: False if s.outcome is Outcome.CANCELLED else _has_claims(s)
+if MUTANT == "timer-free" and rank == RX:
+    from kvown.core import receiver as _receiver
 
-config = TransferConfig(transfer_timeout_s=5.0, grace_s=5.0, canary=True, fault=plan)
+    _writer_claims = _receiver.ReceiveSession.writer_claims
+    _receiver.ReceiveSession.writer_claims = lambda s: False if s.outcome is Outcome.TIMED_OUT else _writer_claims(s)
+
+config = TransferConfig(transfer_timeout_s=TIMEOUT_S, grace_s=TIMEOUT_S, canary=True, fault=plan)
 rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank == RX else {"sender"})
 (OUT_DIR / "term").mkdir(exist_ok=True)
 install_sigterm_dump(rt.driver.recorder, dump_dir=OUT_DIR / "term")
@@ -173,7 +185,8 @@ def run_receiver() -> dict:
         if i % 2:
             rt.receiver.cancel(rid)
         else:
-            wait_for(handle.landed.is_set, f"request {i} landing")
+            wait_for(lambda: handle.landed.is_set() or handle.outcome.done(), f"request {i} landing")
+        if not i % 2 and handle.landed.is_set():
             expected = pool.block_view(handle.blocks[0]).clone()
             for j, b in enumerate(handle.blocks):
                 fill_pattern(expected, rid, 0, j)
@@ -209,6 +222,7 @@ def run_sender() -> dict:
 result = run_receiver() if rank == RX else run_sender()
 barrier = comm.Ibarrier()
 wait_for(barrier.Test, "the end barrier")  # every rank is done: the counts below are final
-counts = rt.engine.call(lambda d: {e.name[len("crash-"):]: e.seen for e in d.transport.plan.values()})
-write_json(f"rank{rank}.end.json", rank=rank, counts=counts, **result)
+counts = rt.engine.call(lambda d: {e.name.removeprefix("crash-"): e.seen for e in d.transport.plan.values()})
+stats = rt.engine.statistics()
+write_json(f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats["pool"], engine=stats["counters"], **result)
 rt.exit(0)
