@@ -35,8 +35,9 @@ SMALL = SimConfig(
     p_receive_raise=0.0, p_release_raise=0.0, p_cancel=0.35, p_not_posted=0.0, p_post_raises=0.0,
     p_write_error=0.0, p_stall=0.0, p_reopen=0.0, p_impostor=0.0, p_slow_consumer=0.0, p_local_copy=0.0,
 )
-SEEDS = (1, 2, 3)  # CI: every position of these three seeds (about 50 s on 2 cores)
-SLOW_SEEDS = tuple(range(4, 24))  # the slow run adds 20 more
+SEEDS = (1,)  # CI: every position of one seed, per fault (a few seconds each)
+SLOW_SEEDS = tuple(range(2, 22))  # the slow run: every position of 20 more seeds
+MUTANT_SEEDS = (1, 2, 3)
 NEVER = 10**9
 
 
@@ -94,7 +95,7 @@ def test_one_lost_or_late_frame_at_every_position_ends_in_a_deadline_fail_stop_o
 @pytest.mark.timeout(600)
 def test_a_send_that_raises_at_any_position_is_resent_and_changes_nothing() -> None:
     positions = 0
-    for seed in SEEDS[:2]:
+    for seed in SEEDS:
         baseline = SimWorld(seed, SMALL).run()
         for rank, sent in sends_per_rank(seed).items():
             for nth in range(1, sent + 1):
@@ -112,7 +113,7 @@ def test_frames_delayed_past_the_deadline_on_a_receiver_fail_stop_it_and_nothing
     """slow-control on a receiver: every frame it gets arrives 1 ms late. Its sessions cannot be proven
     in time; it must fail-stop at a deadline and retire nothing (oracle (a) would catch a retirement
     while a writer may still write; the count says none happened)."""
-    for seed in SEEDS:
+    for seed in MUTANT_SEEDS:
         world = SimWorld(seed, SMALL)
         rx = world.receivers[0]
         world.ranks[rx].faulty.set_plan("slow-control:ms=1")
@@ -139,7 +140,7 @@ def test_planted_bug_a_receiver_that_frees_on_its_timeout_is_caught_by_a_late_fr
     monkeypatch.setattr(ReceiveSession, "writer_claims",
                         lambda s: False if s.outcome is Outcome.TIMED_OUT else original(s))
     caught = positions = 0
-    for seed in SEEDS:
+    for seed in MUTANT_SEEDS:
         for rank, sent in sends_per_rank(seed).items():
             if rank not in SimWorld(seed, SMALL).receivers:
                 continue
