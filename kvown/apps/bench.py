@@ -36,6 +36,7 @@ SCRIPTS: dict[str, tuple[str, int | None, str]] = {
     "failstop": ("bench_failstop.py", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N"),
     "kernels": ("bench_kernels.py", None, "NVFP4 quantize/dequantize and checksum vs torch's copy bandwidth"),
     "link": ("bench_link.py", None, "session latency on a slow / lossy link between two test hosts (root)"),
+    "soak": ("bench_soak.py", None, "soak: --minutes N of the demo workload with faults; leaks, RSS, fences"),
 }
 
 

@@ -67,13 +67,16 @@ def layout_for(args: argparse.Namespace) -> KVLayout:
                              head_dim=128, dtype="bfloat16")
 
 
-def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
+def run_sender(rt, comm, plan: list[Planned], args, deadline: float, tick=None) -> dict:
+    """The prefill stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
     sender, pool, tracker = rt.sender, rt.engine.pool, WriteTracker("cpu")
     mine = [p for p in plan if rt.rank in p.writers]
     free = list(range(args.pool_blocks))
     open_: dict[int, tuple[Planned, object, tuple[int, ...], float]] = {}
     pending, released, cancels = list(reversed(mine)), 0, 0
     while (pending or open_) and time.monotonic() < deadline:
+        if tick is not None:
+            tick()
         while pending and len(open_) < args.window and len(free) >= pending[-1].num_blocks:
             p = pending.pop()
             blocks = tuple(free.pop() for _ in range(p.num_blocks))
@@ -101,7 +104,8 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
     return {"role": "sender", "released": released, "unreleased": len(open_) + len(pending), "cancels": cancels}
 
 
-def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None) -> dict:
+def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None, tick=None) -> dict:
+    """The decode stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
     from mpi4py import MPI
 
     receiver, pool = rt.receiver, rt.engine.pool
@@ -115,6 +119,8 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     expected = torch.empty(block_nbytes, dtype=torch.uint8)
     last_progress = 0.0
     while (pending or open_) and time.monotonic() < deadline:
+        if tick is not None:
+            tick()
         if args.context_first:
             while comm.Iprobe(source=MPI.ANY_SOURCE, tag=GO_TAG):
                 rid = comm.recv(source=MPI.ANY_SOURCE, tag=GO_TAG)
