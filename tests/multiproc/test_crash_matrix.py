@@ -15,9 +15,9 @@ exception in its main thread. Each cell checks:
      retirement of a request comes after proof (a KV_RESULT or SESSION_QUIESCED for that request) from
      every writer it was published to, and the receiver's canaries never fired.
 
-Every cell runs in the slow run (``-m slow``); CI runs ``CI_SLICE``. Two planted bugs show that the
-checks can fail: a receiver that retires a cancelled session without proof (check 5) and a runtime
-whose exit hooks are off (check 2). ``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
+Every cell runs in the slow run (``-m slow``); CI runs ``CI_SLICE``. Three planted bugs show that the
+checks can fail: a receiver that retires a cancelled session without proof (check 5), a runtime whose
+exit hooks are off (check 2), and ranks without the launcher-SIGTERM dump (check 4). ``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
 """
 
 from __future__ import annotations
@@ -130,3 +130,14 @@ def test_the_matrix_catches_a_runtime_without_exit_hooks(tmp_path):
     cell = run_cell(tmp_path, "gen-first", "write-posted", "sender", "raise", mutant="no-exit-hooks")
     problems = problems_of(cell, "raise")
     assert any("not all gone" in p for p in problems), (problems, cell["gone_s"], cell["output"][-2000:])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_matrix_catches_ranks_that_leave_no_flight_recorder(tmp_path):
+    """Planted bug: no rank installs the launcher-SIGTERM dump, so the ranks the launcher ends leave no
+    recorder. Check 4 must see it."""
+    cell = run_cell(tmp_path, "fan-in", "write-posted", "sender", "kill", mutant="no-sigterm-dump")
+    problems = problems_of(cell, "kill")
+    assert any("no flight recorder" in p for p in problems), (problems, cell["output"][-2000:])

@@ -14,7 +14,8 @@ argv: MODE POINT ROLE KIND OUT [MUTANT]
   MUTANT ""; "retire-without-proof": the receiver retires a cancelled session without waiting for the
          writers' proof; "timer-free": the receiver stops waiting for the writers of a session that
          timed out; "no-exit-hooks": the runtime's exit hooks are off (a rank whose main thread dies
-         leaves its peers running)
+         leaves its peers running); "no-sigterm-dump": the ranks do not install the launcher-SIGTERM
+         flight-recorder dump
 
 The point is seen by one rank's transport (the receiver's for before-publish, request-data,
 cancel-sent and retire; writer 0's for the others) - the *observer*. When it fires, the observer writes
@@ -114,7 +115,8 @@ if MUTANT == "timer-free" and rank == RX:
 config = TransferConfig(transfer_timeout_s=TIMEOUT_S, grace_s=TIMEOUT_S, canary=True, fault=plan)
 rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank == RX else {"sender"})
 (OUT_DIR / "term").mkdir(exist_ok=True)
-install_sigterm_dump(rt.driver.recorder, dump_dir=OUT_DIR / "term")
+if MUTANT != "no-sigterm-dump":
+    install_sigterm_dump(rt.driver.recorder, dump_dir=OUT_DIR / "term")
 if MUTANT == "no-exit-hooks":
     rt.closed = True  # the excepthook and the interpreter-exit hook both stand down for a closed runtime
 pids = comm.allgather(os.getpid())
