@@ -77,14 +77,19 @@ def driver_tables(driver: Any) -> dict[str, int]:
 
 def fence_figures(driver: Any) -> dict[str, int]:
     cores = driver._cores()
-    return {"fences": sum(len(c.fence) for c in cores), "fence_nbytes": sum(c.fence.nbytes() for c in cores),
-            "fences_compacted": sum(c.counters.get("fences_compacted", 0) for c in cores)}
+    return {
+        "fences": sum(len(c.fence) for c in cores),
+        "fence_nbytes": sum(c.fence.nbytes() for c in cores),
+        "fences_compacted": sum(c.counters.get("fences_compacted", 0) for c in cores),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown.apps.soak_rank")
     ap.add_argument("--duration-s", type=float, required=True)
-    ap.add_argument("--grace-run-s", type=float, default=120.0, help="a round may overrun the duration by this")
+    ap.add_argument(
+        "--grace-run-s", type=float, default=120.0, help="a round may overrun the duration by this"
+    )
     ap.add_argument("--requests", type=int, default=150, help="requests per round (per world)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cancel-rate", type=float, default=0.3)
@@ -113,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     config = TransferConfig(transfer_timeout_s=args.timeout_s, fault=args.fault or "", canary=True)
     rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
     executor = CountingExecutor()
-    hang = HangDetector(timeout_s=args.hang_timeout_s, executor=executor, recorder=rt.driver.recorder,
-                        c_backstop=False).start()
+    hang = HangDetector(
+        timeout_s=args.hang_timeout_s, executor=executor, recorder=rt.driver.recorder, c_backstop=False
+    ).start()
     gap = {"last": time.monotonic(), "max": 0.0}
 
     def beat() -> None:
@@ -131,8 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         gap["last"] = time.monotonic()
 
     samples_path = os.path.join(args.out, f"samples-rank{rank}.jsonl")
-    totals = {"completed": 0, "cancelled": 0, "failed": 0, "unfinished": 0, "corrupted_blocks": 0,
-              "verified_blocks": 0, "canary_broken": 0, "released": 0}
+    totals = {
+        "completed": 0,
+        "cancelled": 0,
+        "failed": 0,
+        "unfinished": 0,
+        "corrupted_blocks": 0,
+        "verified_blocks": 0,
+        "canary_broken": 0,
+        "released": 0,
+    }
     comm.Barrier()
     t0 = time.monotonic()
     hard_deadline = t0 + args.duration_s + args.grace_run_s
@@ -145,38 +159,55 @@ def main(argv: list[str] | None = None) -> int:
             break
         epoch = k + 1
         round_args = argparse.Namespace(**{**vars(args), "seed": args.seed * 100_003 + k})
-        plan = [dataclasses.replace(p, request_id=make_request_id(epoch, p.index)) for p in make_plan(round_args, ctx, gen)]
+        plan = [
+            dataclasses.replace(p, request_id=make_request_id(epoch, p.index))
+            for p in make_plan(round_args, ctx, gen)
+        ]
         round_t0 = time.monotonic()
         tick = beat
         if "hang" in plants and k == 1 and rank == 0:
+
             def tick() -> None:  # planted: the loop stalls once for twice the hang timeout
                 beat()
                 if not gap.get("stalled"):
                     gap["stalled"] = True
                     time.sleep(2 * args.hang_timeout_s)
+
         if role == "sender":
             local = run_sender(rt, comm, plan, round_args, hard_deadline, tick=tick)
             totals["released"] += local["released"]
             totals["unfinished"] += local["unreleased"]
         else:
             local = run_receiver(rt, comm, plan, round_args, hard_deadline, None, tick=tick)
-            for key in ("completed", "cancelled", "failed", "unfinished", "corrupted_blocks", "verified_blocks"):
+            for key in (
+                "completed",
+                "cancelled",
+                "failed",
+                "unfinished",
+                "corrupted_blocks",
+                "verified_blocks",
+            ):
                 totals[key] += local[key]
         round_s = time.monotonic() - round_t0
         meet()  # the world is quiet: every session of this round ended on every rank
         rt.set_watermark(epoch + 1)
         if role == "receiver" and "leak" in plants and k == 1:
-            rt.engine.call(lambda d: d.pool.allocate(1, owner=make_request_id(epoch, 10**6)))  # planted leak
+            leaked_rid = make_request_id(epoch, 10**6)
+            rt.engine.call(lambda d: d.pool.allocate(1, owner=leaked_rid))  # planted leak
         if role == "receiver" and "corrupt" in plants and k == 1:
+
             def scribble(d: Any) -> None:  # planted: a late write lands in a free (retired) block
                 d.pool.block_view(d.pool._free[-1]).view(-1)[0] ^= 0xFF
+
             rt.engine.call(scribble)
         canary_broken = 0  # counted here only (run_receiver's own check would count a block twice)
         if role == "receiver":
+
             def check_canaries(d: Any) -> int:
                 broken = d.canaries.check(tuple(d.pool._free))
                 d.canaries.fill(tuple(b.block for b in broken))  # count once, keep the soak running
                 return len(broken)
+
             canary_broken = rt.engine.call(check_canaries)
             totals["canary_broken"] += canary_broken
         tables = rt.engine.call(driver_tables)
@@ -188,17 +219,36 @@ def main(argv: list[str] | None = None) -> int:
         fences = rt.engine.call(fence_figures)
         pool = stats["pool"]
         sample = {
-            "rank": rank, "role": role, "round": k, "epoch": epoch, "t_s": round(time.monotonic() - t0, 3),
-            "round_s": round(round_s, 3), "rss_bytes": rss_bytes(), "pool": pool,
+            "rank": rank,
+            "role": role,
+            "round": k,
+            "epoch": epoch,
+            "t_s": round(time.monotonic() - t0, 3),
+            "round_s": round(round_s, 3),
+            "rss_bytes": rss_bytes(),
+            "pool": pool,
             "pool_accounting_ok": pool["total"] == pool["free"] + pool["owned"] + pool["held"],
             "blocks_held": pool["owned"] + pool["held"] if role == "receiver" else 0,
-            "tables": tables, "leaks": {name: n for name, n in tables.items() if n},
-            "totals": dict(totals), "canary_broken_now": canary_broken,
-            "hang_reports": len(executor.reports), "max_heartbeat_gap_s": round(gap["max"], 4),
-            "counters": {name: stats["counters"].get(name, 0) for name in (
-                "control_sent", "control_resent", "control_send_failures", "rejected_frames", "bytes_written",
-                "local_protocol_errors", "duplicate_frames")},
-            "faults": dict(getattr(rt.driver.transport, "counts", {})), **fences,
+            "tables": tables,
+            "leaks": {name: n for name, n in tables.items() if n},
+            "totals": dict(totals),
+            "canary_broken_now": canary_broken,
+            "hang_reports": len(executor.reports),
+            "max_heartbeat_gap_s": round(gap["max"], 4),
+            "counters": {
+                name: stats["counters"].get(name, 0)
+                for name in (
+                    "control_sent",
+                    "control_resent",
+                    "control_send_failures",
+                    "rejected_frames",
+                    "bytes_written",
+                    "local_protocol_errors",
+                    "duplicate_frames",
+                )
+            },
+            "faults": dict(getattr(rt.driver.transport, "counts", {})),
+            **fences,
         }
         with open(samples_path, "a") as f:
             f.write(json.dumps(sample) + "\n")

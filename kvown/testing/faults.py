@@ -59,8 +59,9 @@ import heapq
 import os
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kvown.adapters.nixl import XferStatus
 from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome
@@ -68,8 +69,8 @@ from kvown.core.actions import PostWrite
 from kvown.core.errors import AdapterError, ConfigError
 from kvown.core.messages import TAG_NBYTES, ControlKind
 
-CRASH_POINTS = ("before-publish", "request-data", "write-posted", "write-done", "kv-result-sent", "cancel-sent",
-                "quiesced-sent", "retire")
+CRASH_POINTS = ("before-publish", "request-data", "write-posted", "write-done", "kv-result-sent",
+                "cancel-sent", "quiesced-sent", "retire")
 PLAN_NAMES = ("stuck-writer", "slow-writer", "slow-control", "send-raise", "send-raise-after", "drop-frame",
               "late-frame", *(f"crash-{p}" for p in CRASH_POINTS))
 _DEFAULT_MS = {"slow-writer": 300, "slow-control": 20, "late-frame": 1000}
@@ -149,7 +150,8 @@ def parse_plan(text: str, rank: int) -> dict[str, PlanEntry]:
         if not 0 <= spec.get("pct", 0) <= 100 or spec.get("nth", 1) < 0 or spec.get("ms", 0) < 0:
             raise ConfigError("pct is 0..100, nth and ms are >= 0", field="fault", value=item)
         if spec.get("rank", rank) == rank:
-            plan[name] = PlanEntry(name, spec.get("nth", 1), spec.get("ms", _DEFAULT_MS.get(name, 0)), spec.get("pct"))
+            ms = spec.get("ms", _DEFAULT_MS.get(name, 0))
+            plan[name] = PlanEntry(name, spec.get("nth", 1), ms, spec.get("pct"))
     return plan
 
 

@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvown.runtime.flight import read_flight_file
 from worldkit import ROOT, WORLDS, mpirun
+
+from kvown.runtime.flight import read_flight_file
 
 WORLD = WORLDS / "crash_world.py"
 MODES = ("gen-first", "ctx-first", "fan-in", "broadcast")
@@ -29,25 +30,43 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def run_cell(tmp_path: Path, mode: str, point: str, role: str, kind: str, mutant: str = "",
-             **extra_env: str) -> dict:
+def run_cell(
+    tmp_path: Path, mode: str, point: str, role: str, kind: str, mutant: str = "", **extra_env: str
+) -> dict:
     """Launch one world, watch its PIDs, and return the figures and what the checks need. With point
     "none" the watch ends when the world does (no crash instant)."""
     ranks = 2 if mode in ("gen-first", "ctx-first") else 3
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN", "KVOWN_FLIGHT_DIR": str(tmp_path),
-           "KVOWN_RANK_CRASH_GRACE_S": str(GRACE_S), "PYTHONUNBUFFERED": "1", **extra_env}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "NIXL_LOG_LEVEL": "WARN",
+        "KVOWN_FLIGHT_DIR": str(tmp_path),
+        "KVOWN_RANK_CRASH_GRACE_S": str(GRACE_S),
+        "PYTHONUNBUFFERED": "1",
+        **extra_env,
+    }
     argv = [sys.executable, str(WORLD), mode, point, role, kind, str(tmp_path), *([mutant] if mutant else [])]
     t0 = time.monotonic()
-    proc = subprocess.Popen(mpirun(ranks) + argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        mpirun(ranks) + argv,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = t0 + BOUND_S
     pids: dict[int, int] = {}
     crash: dict | None = None
     gone_ns = None
     while time.monotonic() < deadline and proc.poll() is None:
         if len(pids) < ranks:
-            pids = {r: json.loads(p.read_text())["pid"] for r in range(ranks)
-                    if (p := tmp_path / f"rank{r}.json").exists()}
+            pids = {
+                r: json.loads(p.read_text())["pid"]
+                for r in range(ranks)
+                if (p := tmp_path / f"rank{r}.json").exists()
+            }
         if crash is None and (tmp_path / "crash.json").exists():
             crash = json.loads((tmp_path / "crash.json").read_text())
         if crash is not None and len(pids) == ranks and not any(pid_alive(p) for p in pids.values()):
@@ -64,14 +83,24 @@ def run_cell(tmp_path: Path, mode: str, point: str, role: str, kind: str, mutant
     if gone_ns is None and crash is not None and pids and not any(pid_alive(p) for p in pids.values()):
         gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
     flights = {}
-    for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(tmp_path.glob("term/kvown-flight-rank*.jsonl")):
+    for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(
+        tmp_path.glob("term/kvown-flight-rank*.jsonl")
+    ):
         records = read_flight_file(path)
         if records:
             flights.setdefault(records[0]["rank"], []).append(records)
-    return {"ranks": ranks, "rc": proc.returncode, "output": output or "", "crash": crash, "pids": pids,
-            "gone_s": None if gone_ns is None or crash is None else (gone_ns - crash["t_ns"]) / 1e9,
-            "wall_s": time.monotonic() - t0, "flights": flights,
-            "victim": 0 if role == "sender" else ranks - 1, "receiver": ranks - 1}
+    return {
+        "ranks": ranks,
+        "rc": proc.returncode,
+        "output": output or "",
+        "crash": crash,
+        "pids": pids,
+        "gone_s": None if gone_ns is None or crash is None else (gone_ns - crash["t_ns"]) / 1e9,
+        "wall_s": time.monotonic() - t0,
+        "flights": flights,
+        "victim": 0 if role == "sender" else ranks - 1,
+        "receiver": ranks - 1,
+    }
 
 
 def retirements_without_proof(events: list[dict]) -> list[str]:
@@ -91,5 +120,3 @@ def retirements_without_proof(events: list[dict]) -> list[str]:
             if missing:
                 problems.append(f"request {rid} retired without proof from writer(s) {missing}")
     return problems
-
-

@@ -17,7 +17,8 @@ exception in its main thread. Each cell checks:
 
 Every cell runs in the slow run (``-m slow``); CI runs ``CI_SLICE``. Three planted bugs show that the
 checks can fail: a receiver that retires a cancelled session without proof (check 5), a runtime whose
-exit hooks are off (check 2), and ranks without the launcher-SIGTERM dump (check 4). ``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
+exit hooks are off (check 2), and ranks without the launcher-SIGTERM dump (check 4).
+``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import json
 import os
 
 import pytest
-
 from crashkit import GRACE_S, MODES, retirements_without_proof, run_cell
+
 from kvown.testing.faults import CRASH_POINTS
 
 ROLES = ("sender", "receiver")
@@ -71,9 +72,20 @@ def report(cell_id: str, cell: dict, problems: list[str]) -> None:
         crash = cell["crash"] or {}
         receiver_checked = bool(cell["flights"].get(cell["receiver"]))
         with open(path, "a") as f:
-            f.write(json.dumps({"cell": cell_id, "gone_s": cell["gone_s"], "wall_s": round(cell["wall_s"], 2),
-                                "rc": cell["rc"], "request": crash.get("request"), "ok": not problems,
-                                "receiver_recorder_checked": receiver_checked}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "cell": cell_id,
+                        "gone_s": cell["gone_s"],
+                        "wall_s": round(cell["wall_s"], 2),
+                        "rc": cell["rc"],
+                        "request": crash.get("request"),
+                        "ok": not problems,
+                        "receiver_recorder_checked": receiver_checked,
+                    }
+                )
+                + "\n"
+            )
 
 
 CELLS = [
@@ -95,8 +107,9 @@ def test_crash_cell(tmp_path, mode, point, role, kind):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == "broadcast" else (pytest.mark.slow,))
-                                  for m in MODES])
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=() if m == "broadcast" else (pytest.mark.slow,)) for m in MODES]
+)
 def test_without_a_crash_every_request_ends_and_every_point_is_reached(tmp_path, mode):
     """The control cell: no crash; the workload ends cleanly and passes each point at least as often as
     the matrix's ``nth`` needs, on the rank that observes it (so no cell can pass by never firing)."""
@@ -105,10 +118,20 @@ def test_without_a_crash_every_request_ends_and_every_point_is_reached(tmp_path,
     ends = {r: json.loads((tmp_path / f"rank{r}.end.json").read_text()) for r in range(cell["ranks"])}
     rx = ends[cell["receiver"]]
     assert rx["outcomes"] == ["completed", "cancelled"] * 4
-    nth = {"before-publish": 5, "request-data": 5, "write-posted": 3, "write-done": 3, "kv-result-sent": 3,
-           "cancel-sent": 2, "quiesced-sent": 2, "retire": 4}
+    nth = {
+        "before-publish": 5,
+        "request-data": 5,
+        "write-posted": 3,
+        "write-done": 3,
+        "kv-result-sent": 3,
+        "cancel-sent": 2,
+        "quiesced-sent": 2,
+        "retire": 4,
+    }
     for point, need in nth.items():
-        observer = cell["receiver"] if point in ("before-publish", "request-data", "cancel-sent", "retire") else 0
+        observer = (
+            cell["receiver"] if point in ("before-publish", "request-data", "cancel-sent", "retire") else 0
+        )
         assert ends[observer]["counts"][point] >= need, (point, ends[observer]["counts"])
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from crashkit import retirements_without_proof, run_cell
 
 T_S = 1.0  # transfer timeout and grace of these worlds
@@ -41,7 +40,9 @@ def check_deadline_fail_stop(cell: dict) -> None:
     fatal = [e["t_ns"] for e in events if e["kind"] == "fail_stop"]
     assert opened and fatal
     waited_s = (fatal[0] - opened[-1]) / 1e9
-    assert T_S * 0.9 <= waited_s <= 2 * T_S + 0.5, f"fail-stop {waited_s:.3f} s after publication"  # not early
+    assert T_S * 0.9 <= waited_s <= 2 * T_S + 0.5, (
+        f"fail-stop {waited_s:.3f} s after publication"
+    )  # not early
     assert not retirements_without_proof(events)
     assert not any(e["kind"] == "retire" and e["request_id"] == rid for e in events)
 
@@ -60,20 +61,34 @@ CI_CASE = "writer-drops-its-first-kv-result"
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == CI_CASE else (pytest.mark.slow,))
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c == CI_CASE else (pytest.mark.slow,)) for c in CASES]
+)
 def test_a_lost_or_late_frame_ends_in_a_fail_stop_at_the_deadline(tmp_path, case):
-    cell = run_cell(tmp_path, "gen-first", "none", "sender", "kill", CRASH_WORLD_PLAN=CASES[case],
-                    CRASH_WORLD_TIMEOUT_S=str(T_S))
+    cell = run_cell(
+        tmp_path,
+        "gen-first",
+        "none",
+        "sender",
+        "kill",
+        CRASH_WORLD_PLAN=CASES[case],
+        CRASH_WORLD_TIMEOUT_S=str(T_S),
+    )
     check_deadline_fail_stop(cell)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_a_send_that_raises_is_resent_and_the_world_ends_normally(tmp_path):
-    cell = run_cell(tmp_path, "gen-first", "none", "sender", "kill",
-                    CRASH_WORLD_PLAN="send-raise:rank=0:nth=3,send-raise-after:rank=1:nth=2",
-                    CRASH_WORLD_TIMEOUT_S=str(T_S))
+    cell = run_cell(
+        tmp_path,
+        "gen-first",
+        "none",
+        "sender",
+        "kill",
+        CRASH_WORLD_PLAN="send-raise:rank=0:nth=3,send-raise-after:rank=1:nth=2",
+        CRASH_WORLD_TIMEOUT_S=str(T_S),
+    )
     assert cell["rc"] == 0, cell["output"][-3000:]
     ends = {r: json.loads((tmp_path / f"rank{r}.end.json").read_text()) for r in range(2)}
     assert ends[1]["outcomes"] == ["completed", "cancelled"] * 4
@@ -88,7 +103,15 @@ def test_planted_timer_free_is_caught(tmp_path):
     """Planted bug: the receiver's sessions stop waiting for writers once timed out (the timer every peer
     system ships). With the writer's KV_RESULT lost, the world then retires without proof and never
     fail-stops: the check above must fail."""
-    cell = run_cell(tmp_path, "gen-first", "none", "sender", "kill", "timer-free",
-                    CRASH_WORLD_PLAN=CASES[CI_CASE], CRASH_WORLD_TIMEOUT_S=str(T_S))
+    cell = run_cell(
+        tmp_path,
+        "gen-first",
+        "none",
+        "sender",
+        "kill",
+        "timer-free",
+        CRASH_WORLD_PLAN=CASES[CI_CASE],
+        CRASH_WORLD_TIMEOUT_S=str(T_S),
+    )
     with pytest.raises(AssertionError):
         check_deadline_fail_stop(cell)

@@ -16,13 +16,38 @@ from kvown.apps import soak
 
 
 def sample(rank: int, rnd: int, t_s: float, rss: int, role: str = "receiver", **over) -> dict:
-    base = {"rank": rank, "role": role, "round": rnd, "epoch": rnd + 1, "t_s": t_s, "round_s": 1.0, "rss_bytes": rss,
-            "pool": {"total": 8, "free": 8, "owned": 0, "held": 0}, "pool_accounting_ok": True, "blocks_held": 0,
-            "tables": {}, "leaks": {}, "canary_broken_now": 0, "hang_reports": 0, "max_heartbeat_gap_s": 0.01,
-            "totals": {"completed": 7 * (rnd + 1), "cancelled": 3 * (rnd + 1), "failed": 0, "unfinished": 0,
-                       "corrupted_blocks": 0, "verified_blocks": 10, "canary_broken": 0, "released": 0},
-            "counters": {"control_resent": 1, "duplicate_frames": 1, "bytes_written": 10},
-            "faults": {"send-raise": 1}, "fences": 3, "fence_nbytes": 80, "fences_compacted": rnd}
+    base = {
+        "rank": rank,
+        "role": role,
+        "round": rnd,
+        "epoch": rnd + 1,
+        "t_s": t_s,
+        "round_s": 1.0,
+        "rss_bytes": rss,
+        "pool": {"total": 8, "free": 8, "owned": 0, "held": 0},
+        "pool_accounting_ok": True,
+        "blocks_held": 0,
+        "tables": {},
+        "leaks": {},
+        "canary_broken_now": 0,
+        "hang_reports": 0,
+        "max_heartbeat_gap_s": 0.01,
+        "totals": {
+            "completed": 7 * (rnd + 1),
+            "cancelled": 3 * (rnd + 1),
+            "failed": 0,
+            "unfinished": 0,
+            "corrupted_blocks": 0,
+            "verified_blocks": 10,
+            "canary_broken": 0,
+            "released": 0,
+        },
+        "counters": {"control_resent": 1, "duplicate_frames": 1, "bytes_written": 10},
+        "faults": {"send-raise": 1},
+        "fences": 3,
+        "fence_nbytes": 80,
+        "fences_compacted": rnd,
+    }
     base.update(over)
     return base
 
@@ -41,17 +66,38 @@ def test_world_figures_count_leaks_corruption_and_rss_after_warm_up() -> None:
 
 
 def test_summary_gates_rss_only_on_long_enough_spans_and_fails_on_any_finding() -> None:
-    args = argparse.Namespace(minutes=1, seed=0, faults="", cancel_rate=0.3, hang_timeout_s=5.0, plant="",
-                              rss_limit_pct=5.0)
-    clean = {"world": 0, "exit_code": 0, "rounds": 3, "unfinished": 0, "sessions": 30, "blocks_held_at_end": 0,
-             "leaks": 0, "corrupted_blocks": 0, "verified_blocks": 9, "hang_reports": 0, "max_heartbeat_gap_s": 0.1,
-             "rss": {0: {"growth_pct": 9.0, "growth_pct_per_hour": 50.0, "measured_span_s": 30.0}},
-             "fence_nbytes_at_end": 0, "fence_nbytes_max_per_rank": 0, "fences_compacted": 5, "control_resent": 0}
+    args = argparse.Namespace(
+        minutes=1, seed=0, faults="", cancel_rate=0.3, hang_timeout_s=5.0, plant="", rss_limit_pct=5.0
+    )
+    clean = {
+        "world": 0,
+        "exit_code": 0,
+        "rounds": 3,
+        "unfinished": 0,
+        "sessions": 30,
+        "blocks_held_at_end": 0,
+        "leaks": 0,
+        "corrupted_blocks": 0,
+        "verified_blocks": 9,
+        "hang_reports": 0,
+        "max_heartbeat_gap_s": 0.1,
+        "rss": {0: {"growth_pct": 9.0, "growth_pct_per_hour": 50.0, "measured_span_s": 30.0}},
+        "fence_nbytes_at_end": 0,
+        "fence_nbytes_max_per_rank": 0,
+        "fences_compacted": 5,
+        "control_resent": 0,
+    }
     assert soak.summarize([clean], args)["passed"]  # 9 % over 30 s is reported, not gated
     long = {**clean, "rss": {0: {**clean["rss"][0], "measured_span_s": 600.0}}}
     assert not soak.summarize([long], args)["passed"]
-    for finding in ({"leaks": 1}, {"corrupted_blocks": 1}, {"hang_reports": 1}, {"blocks_held_at_end": 1},
-                    {"exit_code": 75}, {"unfinished": 2}):
+    for finding in (
+        {"leaks": 1},
+        {"corrupted_blocks": 1},
+        {"hang_reports": 1},
+        {"blocks_held_at_end": 1},
+        {"exit_code": 75},
+        {"unfinished": 2},
+    ):
         assert not soak.summarize([{**clean, **finding}], args)["passed"], finding
 
 
@@ -61,7 +107,9 @@ def test_summary_gates_rss_only_on_long_enough_spans_and_fails_on_any_finding() 
 @pytest.mark.timeout(600)
 def test_one_minute_soak_is_clean(tmp_path) -> None:
     report, png = tmp_path / "soak.json", tmp_path / "soak.png"
-    rc = soak.main(["--minutes", "1", "--out", str(tmp_path / "worlds"), "--json", str(report), "--plot", str(png)])
+    rc = soak.main(
+        ["--minutes", "1", "--out", str(tmp_path / "worlds"), "--json", str(report), "--plot", str(png)]
+    )
     data = json.loads(report.read_text())
     s = data["summary"]
     assert rc == 0 and s["passed"], json.dumps(s, indent=1)
@@ -83,8 +131,20 @@ def test_soak_reports_a_planted_leak_corruption_and_hang(tmp_path) -> None:
     """Each detector can turn red: a block allocated and never returned, a byte written into a retired
     block, and a main loop that stalls for twice the hang timeout."""
     report = tmp_path / "soak.json"
-    rc = soak.main(["--minutes", "0.6", "--out", str(tmp_path / "worlds"), "--json", str(report),
-                    "--plant", "leak,corrupt,hang", "--hang-timeout-s", "1"])
+    rc = soak.main(
+        [
+            "--minutes",
+            "0.6",
+            "--out",
+            str(tmp_path / "worlds"),
+            "--json",
+            str(report),
+            "--plant",
+            "leak,corrupt,hang",
+            "--hang-timeout-s",
+            "1",
+        ]
+    )
     s = json.loads(report.read_text())["summary"]
     assert rc == 1 and not s["passed"]
     assert s["leaks"] >= 1 and s["corrupted_blocks"] >= 1 and s["hang_reports"] >= 1, json.dumps(s, indent=1)

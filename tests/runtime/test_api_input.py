@@ -68,7 +68,7 @@ def run_matrix() -> dict[str, str]:
             verdict = "accepted"
         except LocalProtocolError as exc:
             verdict = "ok" if exc.fields.get("field") else "no field named"
-        except Exception as exc:  # noqa: BLE001 - an untyped error is a failure of the matrix
+        except Exception as exc:
             verdict = f"untyped {type(exc).__name__}: {exc}"
         if len(driver.inbox) != queued_before:
             verdict += " +queued"
@@ -90,5 +90,7 @@ def test_planted_bug_a_disabled_validator_turns_the_matrix_red(monkeypatch: pyte
     monkeypatch.setattr(api, "_positive_int", lambda value, field, at_most=None: value)
     verdicts = run_matrix()
     red = {n for n, v in verdicts.items() if v != "ok"}
-    assert {"num_blocks_zero", "num_blocks_too_many", "num_pieces_zero", "num_receivers_zero"} <= red, verdicts
+    assert {"num_blocks_zero", "num_blocks_too_many", "num_pieces_zero", "num_receivers_zero"} <= red, (
+        verdicts
+    )
     assert all("+queued" in verdicts[n] or "untyped" in verdicts[n] for n in red), verdicts

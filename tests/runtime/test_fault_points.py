@@ -28,7 +28,9 @@ from kvown.testing.clockguard import forbid_real_clock
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
 from kvown.testing.faults import CRASH_POINTS, FaultyTransport, parse_plan
 
-LAYOUT = KVLayout.standard(num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8")
+LAYOUT = KVLayout.standard(
+    num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8"
+)
 KEY = b"k" * 32
 TX, RX = 0, 1
 
@@ -49,17 +51,39 @@ class World:
         for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
             pool = KVPool(LAYOUT)
             aux = torch.zeros(32, dtype=torch.uint8)
-            transports[rank] = KVTransport(FakeNixlEndpoint(f"r{rank}", fabric=fabric), rank, pool.space(), aux,
-                                           aux_slot_nbytes=8, roles=frozenset({role}),
-                                           geometry_digest=LAYOUT.geometry_digest())
+            transports[rank] = KVTransport(
+                FakeNixlEndpoint(f"r{rank}", fabric=fabric),
+                rank,
+                pool.space(),
+                aux,
+                aux_slot_nbytes=8,
+                roles=frozenset({role}),
+                geometry_digest=LAYOUT.geometry_digest(),
+            )
             faulty = FaultyTransport(transports[rank], rank, lambda: self.now, plan=parse_plan(plan, rank))
             faulty.crash_action = lambda point, r=rank: self.seen.append((r, point, self.facts()))
             self.faulty[rank] = faulty
-            config = TransferConfig(transfer_timeout_s=1e-5, grace_s=1e-5, aux_slots=4, aux_slot_nbytes=8,
-                                    fault=None, metrics_port=0, canary=True)
-            driver = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}), transport=faulty, pool=pool,
-                            aux=aux, key=KEY, config=config, recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
-                            on_fail_stop=lambda a: None)
+            config = TransferConfig(
+                transfer_timeout_s=1e-5,
+                grace_s=1e-5,
+                aux_slots=4,
+                aux_slot_nbytes=8,
+                fault=None,
+                metrics_port=0,
+                canary=True,
+            )
+            driver = Driver(
+                rank=rank,
+                peers=(1 - rank,),
+                roles=frozenset({role}),
+                transport=faulty,
+                pool=pool,
+                aux=aux,
+                key=KEY,
+                config=config,
+                recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
+                on_fail_stop=lambda a: None,
+            )
             driver.probe = faulty.probe
             self.drivers[rank] = driver
         for rank, transport in transports.items():
@@ -107,8 +131,14 @@ EXPECTED = {  # point -> (observing rank, a fact that must hold at that instant)
     "write-posted": (TX, lambda f: "REQUEST_DATA" in f["tx_got"] and "KV_RESULT" not in f["tx_sent"]),
     "write-done": (TX, lambda f: "KV_RESULT" not in f["tx_sent"]),
     "kv-result-sent": (TX, lambda f: "KV_RESULT" in f["tx_sent"] and "KV_RESULT" not in f["rx_got"]),
-    "cancel-sent": (RX, lambda f: "CANCEL_SESSION" not in f["tx_got"] and "SESSION_QUIESCED" not in f["tx_sent"]),
-    "quiesced-sent": (TX, lambda f: "SESSION_QUIESCED" in f["tx_sent"] and "SESSION_QUIESCED" not in f["rx_got"]),
+    "cancel-sent": (
+        RX,
+        lambda f: "CANCEL_SESSION" not in f["tx_got"] and "SESSION_QUIESCED" not in f["tx_sent"],
+    ),
+    "quiesced-sent": (
+        TX,
+        lambda f: "SESSION_QUIESCED" in f["tx_sent"] and "SESSION_QUIESCED" not in f["rx_got"],
+    ),
     "retire": (RX, lambda f: f["rx_free"] == 8 and not f["retired_told"]),
 }
 
@@ -135,7 +165,13 @@ def test_nth_picks_the_occurrence_and_other_ranks_never_fire() -> None:
 
 
 def test_plan_options_are_checked_and_pct_fires_on_about_that_share() -> None:
-    for bad in ("crash-nowhere", "slow-writer:pct=101", "drop-frame:nth=-1", "slow-writer:pct=x", "crash-retire:when=1"):
+    for bad in (
+        "crash-nowhere",
+        "slow-writer:pct=101",
+        "drop-frame:nth=-1",
+        "slow-writer:pct=x",
+        "crash-retire:when=1",
+    ):
         with pytest.raises(ConfigError) as err:
             parse_plan(bad, 0)
         assert err.value.field == "fault"

@@ -30,10 +30,29 @@ from kvown.core.errors import InvariantViolation
 from kvown.testing.sim import SimConfig, SimWorld
 
 SMALL = SimConfig(
-    num_senders=6, num_receivers=2, num_requests=6, num_blocks=24, timeout_ns=600, grace_ns=400,
-    p_slow=0.0, p_dup=0.0, p_drop=0.0, p_corrupt=0.0, p_send_raise=0.0, p_send_raise_after=0.0,
-    p_receive_raise=0.0, p_release_raise=0.0, p_cancel=0.35, p_not_posted=0.0, p_post_raises=0.0,
-    p_write_error=0.0, p_stall=0.0, p_reopen=0.0, p_impostor=0.0, p_slow_consumer=0.0, p_local_copy=0.0,
+    num_senders=6,
+    num_receivers=2,
+    num_requests=6,
+    num_blocks=24,
+    timeout_ns=600,
+    grace_ns=400,
+    p_slow=0.0,
+    p_dup=0.0,
+    p_drop=0.0,
+    p_corrupt=0.0,
+    p_send_raise=0.0,
+    p_send_raise_after=0.0,
+    p_receive_raise=0.0,
+    p_release_raise=0.0,
+    p_cancel=0.35,
+    p_not_posted=0.0,
+    p_post_raises=0.0,
+    p_write_error=0.0,
+    p_stall=0.0,
+    p_reopen=0.0,
+    p_impostor=0.0,
+    p_slow_consumer=0.0,
+    p_local_copy=0.0,
 )
 SEEDS = (1,)  # CI: every position of one seed, per fault (a few seconds each)
 SLOW_SEEDS = tuple(range(2, 22))  # the slow run: every position of 20 more seeds
@@ -66,19 +85,28 @@ def classify(world: SimWorld, counts: dict[str, int]) -> str:
 
 @pytest.mark.sim
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("seeds", [pytest.param(SEEDS, id="ci-seeds"),
-                                   pytest.param(SLOW_SEEDS, id="slow-seeds", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "seeds",
+    [pytest.param(SEEDS, id="ci-seeds"), pytest.param(SLOW_SEEDS, id="slow-seeds", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("fault", ["drop-frame", "late-frame"])
 def test_one_lost_or_late_frame_at_every_position_ends_in_a_deadline_fail_stop_or_nothing(
-        fault: str, seeds: tuple[int, ...]) -> None:
+    fault: str, seeds: tuple[int, ...]
+) -> None:
     outcomes: collections.Counter[str] = collections.Counter()
     by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     positions = 0
     for seed in seeds:
         for rank, sent in sends_per_rank(seed).items():
             for nth in range(1, sent + 1):
-                world, counts = run_with(seed, rank, f"{fault}:nth={nth}" + (":ms=1" if fault == "late-frame" else ""))
-                hit = [k for k, v in world.ranks[rank].faulty.counts.items() if k.startswith(("dropped_", "late_")) and v]
+                world, counts = run_with(
+                    seed, rank, f"{fault}:nth={nth}" + (":ms=1" if fault == "late-frame" else "")
+                )
+                hit = [
+                    k
+                    for k, v in world.ranks[rank].faulty.counts.items()
+                    if k.startswith(("dropped_", "late_")) and v
+                ]
                 assert len(hit) == 1, (seed, rank, nth, world.ranks[rank].faulty.counts)
                 outcome = classify(world, counts)
                 outcomes[outcome] += 1
@@ -88,7 +116,10 @@ def test_one_lost_or_late_frame_at_every_position_ends_in_a_deadline_fail_stop_o
     for kind, c in sorted(by_kind.items()):
         print(f"  {kind:<17} {dict(c)}")
     assert outcomes["fail-stop at deadline"] > 0  # the deadline path is really exercised
-    assert by_kind["REQUEST_DATA"]["fail-stop at deadline"] > 0 and by_kind["KV_RESULT"]["fail-stop at deadline"] > 0
+    assert (
+        by_kind["REQUEST_DATA"]["fail-stop at deadline"] > 0
+        and by_kind["KV_RESULT"]["fail-stop at deadline"] > 0
+    )
 
 
 @pytest.mark.sim
@@ -101,7 +132,12 @@ def test_a_send_that_raises_at_any_position_is_resent_and_changes_nothing() -> N
             for nth in range(1, sent + 1):
                 world, counts = run_with(seed, rank, f"send-raise:nth={nth}")
                 assert world.ranks[rank].faulty.counts["send-raise"] == 1
-                assert counts.get("fatal", 0) == 0 and counts["control_resent"] >= 1, (seed, rank, nth, counts)
+                assert counts.get("fatal", 0) == 0 and counts["control_resent"] >= 1, (
+                    seed,
+                    rank,
+                    nth,
+                    counts,
+                )
                 assert counts["retired"] == baseline["retired"], (seed, rank, nth)
                 positions += 1
     print(f"\nsend-raise: {positions} positions, every one resent, no fail-stop")
@@ -117,7 +153,7 @@ def test_frames_delayed_past_the_deadline_on_a_receiver_fail_stop_it_and_nothing
         world = SimWorld(seed, SMALL)
         rx = world.receivers[0]
         world.ranks[rx].faulty.set_plan("slow-control:ms=1")
-        counts = world.run()
+        world.run()
         rank = world.ranks[rx]
         assert rank.fatal is not None and rank.fatal.reason.value == "deadline", (seed, rank.fatal)
         retired_there = [e for e in rank.recorder.events() if e[1] == "retire"]
@@ -129,7 +165,8 @@ def test_frames_delayed_past_the_deadline_on_a_receiver_fail_stop_it_and_nothing
 @pytest.mark.sim
 @pytest.mark.timeout(600)
 def test_planted_bug_a_receiver_that_frees_on_its_timeout_is_caught_by_a_late_frame(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Planted bug: the timer every peer system ships - a session that timed out stops waiting for its
     writers. A late REQUEST_DATA then reaches a writer after its blocks went back to the pool; the
     oracles must reject it (tag a) at some late-frame position, where kvown itself passed above."""
@@ -137,8 +174,9 @@ def test_planted_bug_a_receiver_that_frees_on_its_timeout_is_caught_by_a_late_fr
     from kvown.core.receiver import ReceiveSession
 
     original = ReceiveSession.writer_claims
-    monkeypatch.setattr(ReceiveSession, "writer_claims",
-                        lambda s: False if s.outcome is Outcome.TIMED_OUT else original(s))
+    monkeypatch.setattr(
+        ReceiveSession, "writer_claims", lambda s: False if s.outcome is Outcome.TIMED_OUT else original(s)
+    )
     caught = positions = 0
     for seed in MUTANT_SEEDS:
         for rank, sent in sends_per_rank(seed).items():

@@ -65,15 +65,24 @@ WRITERS = (0,) if MODE in ("gen-first", "ctx-first") else (0, 1)
 SLICES = 2 if MODE == "fan-in" else 1
 SELECTED = (0,) if MODE == "broadcast" else WRITERS  # the writers that open send sessions
 RX_POINTS = ("before-publish", "request-data", "cancel-sent", "retire")
-NTH = {"before-publish": 5, "request-data": 5, "write-posted": 3, "write-done": 3, "kv-result-sent": 3,
-       "cancel-sent": 2, "quiesced-sent": 2, "retire": 4}
+NTH = {
+    "before-publish": 5,
+    "request-data": 5,
+    "write-posted": 3,
+    "write-done": 3,
+    "kv-result-sent": 3,
+    "cancel-sent": 2,
+    "quiesced-sent": 2,
+    "retire": 4,
+}
 OBSERVER = RX if POINT in RX_POINTS else 0
 VICTIM = 0 if ROLE == "sender" else RX
 REQUESTS, BLOCKS, POOL = 8, 3, 8
 LIFETIME_S = 60.0  # every wait below ends by then
 TAG_PUBLISHED, TAG_READY, TAG_DONE = 21, 22, 23
-LAYOUT = KVLayout.standard(num_layers=1, num_blocks=POOL, tokens_per_block=4, num_kv_heads=2, head_dim=16,
-                           dtype="bfloat16")
+LAYOUT = KVLayout.standard(
+    num_layers=1, num_blocks=POOL, tokens_per_block=4, num_kv_heads=2, head_dim=16, dtype="bfloat16"
+)
 if POINT != "none" and POINT not in CRASH_POINTS:
     raise SystemExit(f"unknown point {POINT}")
 
@@ -82,14 +91,14 @@ class InjectedCrash(RuntimeError):
     """Raised in a victim's main thread by its SIGUSR1 handler ("raise" kind)."""
 
 
-def on_usr1(signum, frame):  # noqa: ANN001
+def on_usr1(signum, frame):
     raise InjectedCrash(f"injected crash at {POINT} ({MODE}, observer {OBSERVER})")
 
 
 signal.signal(signal.SIGUSR1, on_usr1)
 
 
-def write_json(name: str, **fields) -> None:  # noqa: ANN003
+def write_json(name: str, **fields) -> None:
     tmp = OUT_DIR / f".{name}.tmp{rank}"
     tmp.write_text(json.dumps(fields))
     tmp.rename(OUT_DIR / name)
@@ -105,12 +114,16 @@ if MUTANT == "retire-without-proof" and rank == RX:
     from kvown.core import receiver as _receiver
 
     _has_claims = _receiver.ReceiveSession.has_claims
-    _receiver.ReceiveSession.has_claims = lambda s: False if s.outcome is Outcome.CANCELLED else _has_claims(s)
+    _receiver.ReceiveSession.has_claims = lambda s: (
+        False if s.outcome is Outcome.CANCELLED else _has_claims(s)
+    )
 if MUTANT == "timer-free" and rank == RX:
     from kvown.core import receiver as _receiver
 
     _writer_claims = _receiver.ReceiveSession.writer_claims
-    _receiver.ReceiveSession.writer_claims = lambda s: False if s.outcome is Outcome.TIMED_OUT else _writer_claims(s)
+    _receiver.ReceiveSession.writer_claims = lambda s: (
+        False if s.outcome is Outcome.TIMED_OUT else _writer_claims(s)
+    )
 
 config = TransferConfig(transfer_timeout_s=TIMEOUT_S, grace_s=TIMEOUT_S, canary=True, fault=plan)
 rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank == RX else {"sender"})
@@ -127,12 +140,19 @@ main_ident = threading.main_thread().ident
 
 def crash(point: str) -> None:
     """The observer's crash action (engine thread, inside the transport call at the point)."""
-    write_json("crash.json", point=point, observer=rank, victim=VICTIM, kind=KIND, t_ns=time.monotonic_ns(),
-               request=current["request"])
+    write_json(
+        "crash.json",
+        point=point,
+        observer=rank,
+        victim=VICTIM,
+        kind=KIND,
+        t_ns=time.monotonic_ns(),
+        request=current["request"],
+    )
     if KIND == "kill":
         os.kill(pids[VICTIM], signal.SIGKILL)  # own pid: the process ends inside this call
         return
-    if VICTIM != rank:
+    if rank != VICTIM:
         os.kill(pids[VICTIM], signal.SIGUSR1)
         return
     signal.pthread_kill(main_ident, signal.SIGUSR1)
@@ -147,14 +167,14 @@ comm.Barrier()
 deadline = time.monotonic() + LIFETIME_S
 
 
-def wait_for(cond, what: str) -> None:  # noqa: ANN001
+def wait_for(cond, what: str) -> None:
     while not cond():
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank}: {what} did not happen within {LIFETIME_S} s")
         time.sleep(0.001)
 
 
-def recv_from(source: int, tag: int):  # noqa: ANN201
+def recv_from(source: int, tag: int):
     request = comm.irecv(source=source, tag=tag)
     box = {}
 
@@ -187,7 +207,7 @@ def run_receiver() -> dict:
         if i % 2:
             rt.receiver.cancel(rid)
         else:
-            wait_for(lambda: handle.landed.is_set() or handle.outcome.done(), f"request {i} landing")
+            wait_for(lambda: handle.landed.is_set() or handle.outcome.done(), f"request {i} landing")  # noqa: B023
         if not i % 2 and handle.landed.is_set():
             expected = pool.block_view(handle.blocks[0]).clone()
             for j, b in enumerate(handle.blocks):
@@ -226,5 +246,7 @@ barrier = comm.Ibarrier()
 wait_for(barrier.Test, "the end barrier")  # every rank is done: the counts below are final
 counts = rt.engine.call(lambda d: {e.name.removeprefix("crash-"): e.seen for e in d.transport.plan.values()})
 stats = rt.engine.statistics()
-write_json(f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats["pool"], engine=stats["counters"], **result)
+write_json(
+    f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats["pool"], engine=stats["counters"], **result
+)
 rt.exit(0)
