@@ -10,7 +10,8 @@ argv: MODE POINT ROLE KIND OUT [MUTANT]
   POINT  a crash point of kvown.testing.faults (CRASH_POINTS), or "none" (the workload runs to the
          end and every rank reports how often it passed each point)
   ROLE   which rank dies: "sender" (rank 0) or "receiver" (the last rank)
-  KIND   "kill": SIGKILL; "raise": an uncaught exception in the victim's main thread
+  KIND   "kill": SIGKILL; "raise": an uncaught exception in the victim's main thread; "freeze": SIGSTOP
+         (the victim is alive and silent: a wedged or swapped-out writer)
   MUTANT ""; "retire-without-proof": the receiver retires a cancelled session without waiting for the
          writers' proof; "timer-free": the receiver stops waiting for the writers of a session that
          timed out; "no-exit-hooks": the runtime's exit hooks are off (a rank whose main thread dies
@@ -149,8 +150,8 @@ def crash(point: str) -> None:
         t_ns=time.monotonic_ns(),
         request=current["request"],
     )
-    if KIND == "kill":
-        os.kill(pids[VICTIM], signal.SIGKILL)  # own pid: the process ends inside this call
+    if KIND in ("kill", "freeze"):
+        os.kill(pids[VICTIM], signal.SIGKILL if KIND == "kill" else signal.SIGSTOP)  # own pid: stops right here
         return
     if rank != VICTIM:
         os.kill(pids[VICTIM], signal.SIGUSR1)
