@@ -13,6 +13,7 @@ from pathlib import Path
 
 from worldkit import ROOT, WORLDS, mpirun
 
+from kvown.adapters.mpi import process_start_ticks
 from kvown.runtime.flight import read_flight_file
 
 WORLD = WORLDS / "crash_world.py"
@@ -22,12 +23,15 @@ BOUND_S = 90.0  # a whole world, start-up included; only a hang gets near it
 PROOF = ("KV_RESULT", "SESSION_QUIESCED")
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, start_ticks: int | None) -> bool:
+    """Alive and not a zombie, and the same process: on a busy machine a dead rank's PID is reused
+    within seconds, so the start time must match too."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
+            alive = f.read().split(b") ", 1)[1][:1] != b"Z"
     except OSError:
         return False
+    return alive and (start_ticks is None or process_start_ticks(pid) == start_ticks)
 
 
 def run_cell(
@@ -57,19 +61,19 @@ def run_cell(
         start_new_session=True,
     )
     deadline = t0 + BOUND_S
-    pids: dict[int, int] = {}
+    pids: dict[int, tuple[int, int | None]] = {}  # rank -> (pid, start ticks)
     crash: dict | None = None
     gone_ns = None
     while time.monotonic() < deadline and proc.poll() is None:
         if len(pids) < ranks:
             pids = {
-                r: json.loads(p.read_text())["pid"]
+                r: (info["pid"], info.get("start_ticks"))
                 for r in range(ranks)
-                if (p := tmp_path / f"rank{r}.json").exists()
+                if (p := tmp_path / f"rank{r}.json").exists() and (info := json.loads(p.read_text()))
             }
         if crash is None and (tmp_path / "crash.json").exists():
             crash = json.loads((tmp_path / "crash.json").read_text())
-        if crash is not None and len(pids) == ranks and not any(pid_alive(p) for p in pids.values()):
+        if crash is not None and len(pids) == ranks and not any(pid_alive(*p) for p in pids.values()):
             gone_ns = time.monotonic_ns()
             break
         time.sleep(0.002)
@@ -80,7 +84,7 @@ def run_cell(
         output = proc.communicate()[0]
     if crash is None and (tmp_path / "crash.json").exists():
         crash = json.loads((tmp_path / "crash.json").read_text())
-    if gone_ns is None and crash is not None and pids and not any(pid_alive(p) for p in pids.values()):
+    if gone_ns is None and crash is not None and pids and not any(pid_alive(*p) for p in pids.values()):
         gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
     flights = {}
     for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(

@@ -9,15 +9,17 @@ exception in its main thread. Each cell checks:
   2. every rank's PID is gone within grace + 1 s of that instant (``KVOWN_RANK_CRASH_GRACE_S`` = 1);
   3. the world ended as a crash (exit 137: killed, or RANK_CRASH), never as a deadline, an invariant
      (a broken retirement canary is one) or an engine crash;
-  4. every rank that did not die by SIGKILL left a flight recorder (the victim of "raise" its own
-     fail-stop dump, the others the launcher-SIGTERM dump);
+  4. the victim of "raise" left its own fail-stop flight recorder naming the crash (the ranks the
+     launcher ends - SIGTERM, SIGKILL about 250 ms later - dump on SIGTERM as best effort: counted
+     as a figure, ``terminated_dumps``, not checked);
   5. no block was reused while a writer might still write: in the receiver's flight recorder every
      retirement of a request comes after proof (a KV_RESULT or SESSION_QUIESCED for that request) from
      every writer it was published to, and the receiver's canaries never fired.
 
 Every cell runs in the slow run (``-m slow``); CI runs ``CI_SLICE``. Three planted bugs show that the
 checks can fail: a receiver that retires a cancelled session without proof (check 5), a runtime whose
-exit hooks are off (check 2), and ranks without the launcher-SIGTERM dump (check 4).
+exit hooks are off (check 2), and a fail-stop executor whose dump is off (check 4); a fourth, ranks
+without the launcher-SIGTERM dump, shows in the figure.
 ``KVOWN_CRASH_REPORT=cells.jsonl`` appends each cell's figures.
 """
 
@@ -55,15 +57,19 @@ def problems_of(cell: dict, kind: str) -> list[str]:
     reasons = {r: [recs[0]["reason"] for recs in dumps] for r, dumps in cell["flights"].items()}
     if any(reason in ("invariant", "deadline", "engine_crash") for rs in reasons.values() for reason in rs):
         problems.append(f"a rank fail-stopped for another reason: {reasons}")
-    expected = [r for r in range(cell["ranks"]) if not (kind == "kill" and r == cell["victim"])]
-    missing = [r for r in expected if r not in reasons]
-    if missing:
-        problems.append(f"no flight recorder from rank(s) {missing} (they did not die by SIGKILL): {reasons}")
     if kind == "raise" and "rank_crash" not in reasons.get(cell["victim"], []):
-        problems.append(f"the victim's own dump does not name the crash: {reasons.get(cell['victim'])}")
+        problems.append(f"no flight recorder from the victim naming its crash: {reasons.get(cell['victim'])}")
     for records in cell["flights"].get(cell["receiver"], []):
         problems += retirements_without_proof([r for r in records if r["type"] == "event"])
     return problems
+
+
+def terminated_dumps(cell: dict) -> tuple[int, int]:
+    """(dumps, ranks) for the ranks the launcher ended (SIGTERM, then SIGKILL about 250 ms later): the
+    dump is best effort there (kvown.runtime.failstop.install_sigterm_dump), so it is a figure, not a
+    check. The victim is not counted: SIGKILLed, or it dumped on its own fail-stop (check 4)."""
+    peers = [r for r in range(cell["ranks"]) if r != cell["victim"]]
+    return sum(r in cell["flights"] for r in peers), len(peers)
 
 
 def report(cell_id: str, cell: dict, problems: list[str]) -> None:
@@ -71,6 +77,7 @@ def report(cell_id: str, cell: dict, problems: list[str]) -> None:
     if path:
         crash = cell["crash"] or {}
         receiver_checked = bool(cell["flights"].get(cell["receiver"]))
+        dumps, peers = terminated_dumps(cell)
         with open(path, "a") as f:
             f.write(
                 json.dumps(
@@ -82,6 +89,8 @@ def report(cell_id: str, cell: dict, problems: list[str]) -> None:
                         "request": crash.get("request"),
                         "ok": not problems,
                         "receiver_recorder_checked": receiver_checked,
+                        "terminated_dumps": dumps,
+                        "terminated_ranks": peers,
                     }
                 )
                 + "\n"
@@ -158,12 +167,20 @@ def test_the_matrix_catches_a_runtime_without_exit_hooks(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_the_matrix_catches_ranks_that_leave_no_flight_recorder(tmp_path):
-    """Planted bug: no rank installs the launcher-SIGTERM dump, so the ranks the launcher ends leave no
-    recorder. Check 4 must see it."""
+def test_the_matrix_catches_a_fail_stop_that_leaves_no_flight_recorder(tmp_path):
+    """Planted bug: the fail-stop executor skips its diagnostics. Check 4 must see it."""
+    cell = run_cell(tmp_path, "gen-first", "write-done", "sender", "raise", mutant="no-executor-dump")
+    problems = problems_of(cell, "raise")
+    assert any("no flight recorder from the victim" in p for p in problems), (problems, cell["output"][-2000:])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_without_the_sigterm_dump_the_terminated_ranks_leave_nothing(tmp_path):
+    """Planted bug: no rank installs the launcher-SIGTERM dump: the figure drops to zero of N."""
     cell = run_cell(tmp_path, "fan-in", "write-posted", "sender", "kill", mutant="no-sigterm-dump")
-    problems = problems_of(cell, "kill")
-    assert any("no flight recorder" in p for p in problems), (problems, cell["output"][-2000:])
+    assert terminated_dumps(cell) == (0, 2), cell["flights"].keys()
 
 
 @pytest.mark.multiproc

@@ -16,7 +16,7 @@ argv: MODE POINT ROLE KIND OUT [MUTANT]
          writers' proof; "timer-free": the receiver stops waiting for the writers of a session that
          timed out; "no-exit-hooks": the runtime's exit hooks are off (a rank whose main thread dies
          leaves its peers running); "no-sigterm-dump": the ranks do not install the launcher-SIGTERM
-         flight-recorder dump
+         flight-recorder dump; "no-executor-dump": the fail-stop executor skips its diagnostics
 
 The point is seen by one rank's transport (the receiver's for before-publish, request-data,
 cancel-sent and retire; writer 0's for the others) - the *observer*. When it fires, the observer writes
@@ -53,6 +53,7 @@ from mpi4py import MPI  # noqa: E402
 
 from kernels.nvfp4 import fill_pattern  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
+from kvown.adapters.mpi import process_start_ticks  # noqa: E402
 from kvown.runtime.failstop import install_sigterm_dump  # noqa: E402
 from kvown.testing.faults import CRASH_POINTS  # noqa: E402
 
@@ -97,6 +98,7 @@ def on_usr1(signum, frame):
 
 
 signal.signal(signal.SIGUSR1, on_usr1)
+sys.setswitchinterval(2e-4)  # as kvown's own worlds (demo, qualify): the engine must not hold the GIL 5 ms
 
 
 def write_json(name: str, **fields) -> None:
@@ -131,10 +133,12 @@ rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank 
 (OUT_DIR / "term").mkdir(exist_ok=True)
 if MUTANT != "no-sigterm-dump":
     install_sigterm_dump(rt.driver.recorder, dump_dir=OUT_DIR / "term")
+if MUTANT == "no-executor-dump":
+    rt.executor._dump_thread = None  # FailStopExecutor: no diagnostics thread, straight to the kill
 if MUTANT == "no-exit-hooks":
     rt.closed = True  # the excepthook and the interpreter-exit hook both stand down for a closed runtime
 pids = comm.allgather(os.getpid())
-write_json(f"rank{rank}.json", rank=rank, pid=pids[rank], pids=pids)
+write_json(f"rank{rank}.json", rank=rank, pid=pids[rank], pids=pids, start_ticks=process_start_ticks(pids[rank]))
 current = {"request": -1}
 main_ident = threading.main_thread().ident
 
