@@ -107,8 +107,11 @@ def test_summary_gates_rss_only_on_long_enough_spans_and_fails_on_any_finding() 
 @pytest.mark.timeout(600)
 def test_one_minute_soak_is_clean(tmp_path) -> None:
     report, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    # a 30 s hang timeout: on a shared CI machine a starved loop can go 5-9 s between heartbeats (see
+    # docs/reliability.md, "Soak"); the planted-stall test below shows the detector still fires
     rc = soak.main(
-        ["--minutes", "1", "--out", str(tmp_path / "worlds"), "--json", str(report), "--plot", str(png)]
+        ["--minutes", "1", "--hang-timeout-s", "30", "--out", str(tmp_path / "worlds"), "--json", str(report),
+         "--plot", str(png)]
     )
     data = json.loads(report.read_text())
     s = data["summary"]
@@ -118,7 +121,7 @@ def test_one_minute_soak_is_clean(tmp_path) -> None:
     assert s["hang_false_positives"] == 0 and s["blocks_held_at_end"] == 0
     assert s["fences_compacted"] > 0 and s["control_resent"] > 0  # watermarks compact; injected faults resent
     for w in data["worlds"]:
-        assert w["cancelled"] > 0.1 * w["sessions"]
+        assert w["cancelled"] + w["failed"] > 0.1 * w["sessions"]  # about 20 % end by a cancel (either side)
         assert {"slow-writer", "send-raise", "send-raise-after"} <= set(w["faults_injected"])
     assert png.stat().st_size > 10_000
 
