@@ -298,6 +298,8 @@ def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: Qual
     driver = Driver(rank=local.rank, peers=tuple(sorted(peers)), roles=local.roles, transport=transport,
                     pool=local.pool, aux=local.aux, key=key, config=config, recorder=recorder,
                     on_fail_stop=executor.request, lock=lock)
+    if config.fault is not None:
+        driver.probe = transport.probe  # the crash point inside a retirement (driver rule 8)
     engine = Engine(driver, fail_stop=executor.request)
     watchdog = RetirementWatchdog(driver, lock, executor)
     local.stats_source = engine

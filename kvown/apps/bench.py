@@ -37,6 +37,7 @@ SCRIPTS: dict[str, tuple[str, int | None, str]] = {
     "kernels": ("bench_kernels.py", None, "NVFP4 quantize/dequantize and checksum vs torch's copy bandwidth"),
     "link": ("bench_link.py", None, "session latency on a slow / lossy link between two test hosts (root)"),
     "serve": ("bench_serve.py", None, "reference server: TTFT and tokens/s, disaggregated vs single process"),
+    "soak": ("bench_soak.py", None, "soak: --minutes N of the demo workload with faults; leaks, RSS, fences"),
 }
 
 

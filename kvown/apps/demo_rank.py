@@ -77,7 +77,15 @@ def layout_for(args: argparse.Namespace, num_blocks: int | None = None) -> KVLay
     return KVLayout.standard(**shape, dtype="bfloat16")
 
 
-def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
+def add_content_args(ap: argparse.ArgumentParser) -> None:
+    """What the blocks hold and where the pools live (the demo's and the soak's ranks)."""
+    ap.add_argument("--dtype", choices=["bfloat16", "nvfp4"], default="bfloat16")
+    ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+
+
+def run_sender(rt, comm, plan: list[Planned], args, deadline: float, tick=None) -> dict:
+    """The prefill stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
     sender, pool = rt.sender, rt.engine.pool
     content, tracker = KVContent(pool, max_blocks=args.max_blocks), WriteTracker(args.device)
     mine = [p for p in plan if rt.rank in p.writers]
@@ -85,6 +93,8 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
     open_: dict[int, tuple[Planned, object, tuple[int, ...], float]] = {}
     pending, released, cancels = list(reversed(mine)), 0, 0
     while (pending or open_) and time.monotonic() < deadline:
+        if tick is not None:
+            tick()
         while pending and len(open_) < args.window and len(free) >= pending[-1].num_blocks:
             p = pending.pop()
             blocks = tuple(free.pop() for _ in range(p.num_blocks))
@@ -116,7 +126,8 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
     return {"role": "sender", "released": released, "unreleased": len(open_) + len(pending), "cancels": cancels}
 
 
-def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None) -> dict:
+def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None, tick=None) -> dict:
+    """The decode stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
     from mpi4py import MPI
 
     receiver, pool = rt.receiver, rt.engine.pool
@@ -130,6 +141,8 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     content = KVContent(pool, max_blocks=args.max_blocks)
     last_progress = 0.0
     while (pending or open_) and time.monotonic() < deadline:
+        if tick is not None:
+            tick()
         if args.context_first:
             while comm.Iprobe(source=MPI.ANY_SOURCE, tag=GO_TAG):
                 rid = comm.recv(source=MPI.ANY_SOURCE, tag=GO_TAG)
@@ -225,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--context-first", action="store_true")
     ap.add_argument("--fan-in", action="store_true")
-    ap.add_argument("--dtype", choices=["bfloat16", "nvfp4"], default="bfloat16")
-    ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    add_content_args(ap)
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--grace-s", type=float, default=None)
     ap.add_argument("--fault", default="")

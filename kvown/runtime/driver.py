@@ -29,6 +29,11 @@ Rules:
   7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``
      and ``statistics``. The cores are read and written only under ``lock``, which ``step`` holds
      just while a core handles one event (never during I/O).
+  8. ``probe`` (default None: one attribute test, nothing else) is the one test hook in this file:
+     ``probe("retire", request_id)`` is called in the middle of a retirement - the pool already holds
+     the blocks as free, their canaries are not stamped and the API has not been told - the one
+     protocol point no transport call shows. ``kvown.rank`` sets it only with ``TransferConfig.fault``
+     (to ``FaultyTransport.probe``, whose ``crash-retire`` kills the rank there).
 
 Invariants:
   INV-DR1  A PostWrite is executed only as the core emits it (so never before its ready token).
@@ -176,6 +181,7 @@ class Driver:
         self._local_copies: dict[int, tuple[int, Any]] = {}  # token id -> (request id, ready token)
         self._next_local = 0
         self._aux_free = list(range(config.aux_slots - 1, -1, -1))
+        self.probe: Callable[[str, int], None] | None = None  # rule 8: tests only
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -591,6 +597,8 @@ class Driver:
         if handle is None:
             return
         self.pool.retire(handle.blocks, owner=rid)
+        if self.probe is not None:  # rule 8
+            self.probe("retire", rid)
         if self.canaries is not None:
             self.canaries.fill(handle.blocks)
         if handle.aux_slot >= 0:

@@ -15,10 +15,33 @@ is set (the bootstrap wraps the transport), and the simulator always wraps. Faul
                    (in doubt); ERROR, then DONE later or never; a WRITE that finishes late
                    (``slow-writer``) or never reports (``stuck-writer``); a release that fails
 
-Plan text: comma-separated ``name[:rank=R][:nth=N][:ms=M]``. ``nth=N`` fires on the N-th matching
-call (``nth=0``: every call); ``rank`` restricts it to one rank; ``ms`` is a delay. Names:
-``stuck-writer``, ``slow-writer`` (default 300 ms), ``slow-control`` (default 20 ms),
-``send-raise``, ``send-raise-after``, ``drop-frame``. Example: ``stuck-writer:rank=0:nth=3``.
+  crashes          the rank dies at a named protocol point (``crash-<point>``, below): the wrapper
+                   calls ``crash_action(point)``, by default SIGKILL of this process
+
+Plan text: comma-separated ``name[:rank=R][:nth=N][:ms=M][:pct=P]``. ``nth=N`` fires on the N-th
+matching call (``nth=0``: every call); ``pct=P`` instead fires on P % of matching calls (drawn from
+the wrapper's seeded ``rng``; with ``nth`` too, only from the N-th call on); ``rank`` restricts it to
+one rank; ``ms`` is a delay (``slow-writer`` with ``pct`` delays each chosen WRITE by a uniform
+0..ms). Names: ``stuck-writer``, ``slow-writer`` (default 300 ms), ``slow-control`` (default 20 ms),
+``send-raise``, ``send-raise-after``, ``drop-frame``, ``late-frame`` (that one frame is held back
+``ms``, default 1000 ms, then delivered: frames behind it on its stream wait for it), and the crash
+points. Dropped and late frames are counted by kind (``dropped_KV_RESULT``, ``late_CANCEL_SESSION``).
+Example:
+``stuck-writer:rank=0:nth=3``, ``slow-writer:pct=20:ms=5``, ``crash-write-posted:rank=0:nth=2``.
+
+Crash points (``CRASH_POINTS``), named by what this rank's transport sees, never by a sleep:
+  before-publish   a REQUEST_DATA is about to be sent (receiver; the blocks are allocated, unpublished)
+  request-data     a REQUEST_DATA was just sent (receiver; the writer may write from now on)
+  write-posted     a WRITE was posted (sender; bytes may be on the wire)
+  write-done       a WRITE reported DONE, before the driver saw it (sender; no KV_RESULT can follow)
+  kv-result-sent   a KV_RESULT was just sent (sender)
+  cancel-sent      a CANCEL_SESSION was just sent (receiver)
+  quiesced-sent    a SESSION_QUIESCED was just sent (sender)
+  retire           the driver is retiring a destination: the pool holds its blocks as free, their
+                   canaries are not stamped yet and the API has not heard (receiver; through the
+                   driver's ``probe`` hook, which ``kvown.rank`` points at ``FaultyTransport.probe``)
+The wrapper reads a frame's kind from its msgpack body (its own frames: no key needed), and only
+when the plan names a frame crash point.
 
 Rules:
   1. Time comes from the injected ``clock`` (the simulator's, or ``time.monotonic_ns``); nothing
@@ -33,17 +56,46 @@ from __future__ import annotations
 
 import collections
 import heapq
+import os
 import random
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kvown.adapters.nixl import XferStatus
 from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome
 from kvown.core.actions import PostWrite
 from kvown.core.errors import AdapterError, ConfigError
+from kvown.core.messages import TAG_NBYTES, ControlKind
 
-PLAN_NAMES = ("stuck-writer", "slow-writer", "slow-control", "send-raise", "send-raise-after", "drop-frame")
-_DEFAULT_MS = {"slow-writer": 300, "slow-control": 20}
+CRASH_POINTS = ("before-publish", "request-data", "write-posted", "write-done", "kv-result-sent",
+                "cancel-sent", "quiesced-sent", "retire")
+PLAN_NAMES = ("stuck-writer", "slow-writer", "slow-control", "send-raise", "send-raise-after", "drop-frame",
+              "late-frame", *(f"crash-{p}" for p in CRASH_POINTS))
+_DEFAULT_MS = {"slow-writer": 300, "slow-control": 20, "late-frame": 1000}
+# frame kind -> (crash point before the send, crash point after it)
+_SEND_POINTS = {
+    ControlKind.REQUEST_DATA: ("before-publish", "request-data"),
+    ControlKind.KV_RESULT: (None, "kv-result-sent"),
+    ControlKind.CANCEL_SESSION: (None, "cancel-sent"),
+    ControlKind.SESSION_QUIESCED: (None, "quiesced-sent"),
+}
+
+
+def sigkill_self(point: str) -> None:
+    """The default crash action: die at once, as a power cut or the OOM killer would."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def frame_kind(frame: bytes) -> ControlKind | None:
+    """The kind of one of our own sealed frames (read from the msgpack body; the tag is not checked)."""
+    import msgpack
+
+    try:
+        return ControlKind(msgpack.unpackb(frame[:-TAG_NBYTES], raw=False)[1])
+    except (ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -72,10 +124,13 @@ class PlanEntry:
     name: str
     nth: int = 1
     ms: int = 0
+    pct: int | None = None  # fire on this percentage of calls (from the nth on) instead of once
     seen: int = 0
 
-    def fires(self) -> bool:
+    def fires(self, rng: random.Random | None = None) -> bool:
         self.seen += 1
+        if self.pct is not None:
+            return self.seen >= max(self.nth, 1) and (rng or random).random() * 100 < self.pct
         return self.nth in (0, self.seen)
 
 
@@ -90,10 +145,13 @@ def parse_plan(text: str, rank: int) -> dict[str, PlanEntry]:
             spec = {k: int(v) for k, v in (o.split("=", 1) for o in opts)}
         except ValueError:
             raise ConfigError("fault options are key=integer", field="fault", value=item) from None
-        if set(spec) - {"rank", "nth", "ms"}:
-            raise ConfigError("fault options are rank, nth and ms", field="fault", value=item)
+        if set(spec) - {"rank", "nth", "ms", "pct"}:
+            raise ConfigError("fault options are rank, nth, ms and pct", field="fault", value=item)
+        if not 0 <= spec.get("pct", 0) <= 100 or spec.get("nth", 1) < 0 or spec.get("ms", 0) < 0:
+            raise ConfigError("pct is 0..100, nth and ms are >= 0", field="fault", value=item)
         if spec.get("rank", rank) == rank:
-            plan[name] = PlanEntry(name, spec.get("nth", 1), spec.get("ms", _DEFAULT_MS.get(name, 0)))
+            ms = spec.get("ms", _DEFAULT_MS.get(name, 0))
+            plan[name] = PlanEntry(name, spec.get("nth", 1), ms, spec.get("pct"))
     return plan
 
 
@@ -122,10 +180,30 @@ class FaultyTransport:
     _writes: dict[int, _Write] = field(default_factory=dict)  # id(handle) -> its injected fate
     _order: int = 0
     raised: dict[bytes, int] = field(default_factory=dict)  # frames whose send raised unsent -> when (oracles)
+    crash_action: Callable[[str], None] = sigkill_self  # what a crash point does (tests may replace it)
+    crashed_at: list[str] = field(default_factory=list)  # crash points that fired, in order
+
+    def __post_init__(self) -> None:
+        self._frame_points = self._names_frame_points()
+
+    def _names_frame_points(self) -> bool:
+        return any(f"crash-{p}" in self.plan for points in _SEND_POINTS.values() for p in points if p)
 
     def set_plan(self, text: str) -> None:
         """Replace the deterministic plan. Called: by tests through ``Engine.call`` (engine thread)."""
         self.plan = parse_plan(text, self.rank)
+        self._frame_points = self._names_frame_points()
+
+    def _crash(self, point: str | None) -> None:
+        entry = self.plan.get(f"crash-{point}") if point is not None else None
+        if entry is not None and entry.fires(self.rng):
+            self.counts[entry.name] += 1
+            self.crashed_at.append(point)  # type: ignore[arg-type]
+            self.crash_action(point)  # type: ignore[arg-type]
+
+    def probe(self, what: str, request_id: int | None) -> None:
+        """The driver's probe hook (``Driver.probe``): names the points no transport call shows."""
+        self._crash(what)
 
     def next_due_ns(self) -> int | None:
         """When something held here next changes (rule 1), or None. A time in the past means "poll now"."""
@@ -146,7 +224,7 @@ class FaultyTransport:
 
     def _fires(self, name: str, p: float) -> bool:
         entry = self.plan.get(name)
-        hit = (entry is not None and entry.fires()) or (p > 0 and self.rng.random() < p)
+        hit = (entry is not None and entry.fires(self.rng)) or (p > 0 and self.rng.random() < p)
         if hit:
             self.counts[name] += 1
         return hit
@@ -161,11 +239,22 @@ class FaultyTransport:
     def send(self, rank: int, frame: bytes) -> None:
         self._flush_out()
         p = self.profile
+        points = _SEND_POINTS.get(frame_kind(frame), (None, None)) if self._frame_points else (None, None)  # type: ignore[arg-type]
+        self._crash(points[0])
         if self._fires("send-raise", p.p_send_raise):
             self.raised.setdefault(frame, self.clock())
             raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
         self.raised.pop(frame, None)
         if self._fires("drop-frame", p.p_drop):
+            kind = frame_kind(frame)
+            self.counts[f"dropped_{kind.name if kind is not None else '?'}"] += 1
+            return
+        late = self.plan.get("late-frame")
+        if late is not None and late.fires(self.rng):
+            kind = frame_kind(frame)
+            self.counts[f"late_{kind.name if kind is not None else '?'}"] += 1
+            self._order += 1
+            heapq.heappush(self._out, (self.clock() + late.ms * 1_000_000, self._order, rank, frame))
             return
         copies = [frame, frame] if self._fires("dup", p.p_dup) else [frame]
         if self._fires("corrupt", p.p_corrupt):
@@ -178,6 +267,7 @@ class FaultyTransport:
                 heapq.heappush(self._out, (self.clock() + delay, self._order, rank, frame))
             else:
                 self.inner.send(rank, frame)
+        self._crash(points[1])
         if self._fires("send-raise-after", p.p_send_raise_after):
             raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
 
@@ -216,9 +306,10 @@ class FaultyTransport:
             return outcome
         fate = _Write(now + self._latency(p.write_ns))
         slow = self.plan.get("slow-writer")
-        if slow is not None and slow.fires():
+        if slow is not None and slow.fires(self.rng):
             self.counts["slow-writer"] += 1
-            fate.due_ns = now + slow.ms * 1_000_000
+            delay_ms = self.rng.uniform(0, slow.ms) if slow.pct is not None else slow.ms
+            fate.due_ns = now + int(delay_ms * 1_000_000)
         if self._fires("stuck-writer", p.p_stall):
             fate.stuck = True
         elif self._fires("write-error", p.p_write_error):
@@ -227,6 +318,8 @@ class FaultyTransport:
         self._writes[id(outcome.handle)] = fate
         if isinstance(outcome, Posted) and self._fires("post-raises", p.p_post_raises):
             return InDoubt(outcome.handle, "injected: transfer() raised after posting")
+        if isinstance(outcome, Posted):
+            self._crash("write-posted")
         return outcome
 
     def poll(self, handle: Any) -> XferStatus:
@@ -241,6 +334,7 @@ class FaultyTransport:
         status = self.inner.poll(handle)  # rule 2: DONE only when it is really done below
         if status is XferStatus.DONE:
             del self._writes[id(handle)]
+            self._crash("write-done")
         elif status is XferStatus.ERROR:
             fate.inner_error = True
         return status
