@@ -107,9 +107,10 @@ def test_open_mpi_blast_radius_of_a_sub_communicator_abort_is_the_whole_job(tmp_
     for rank in (2, 3):  # executor B was making progress until A's abort took it down
         assert int((run.out_dir / f"progress{rank}.txt").read_text()) > 0
         assert run.infos[rank]["executor"] == "B"
-        records = flight_records(run.out_dir, rank, run.infos[rank]["pid"])
         # B's dump on the launcher's SIGTERM is best effort (SIGKILL follows ~250 ms later; under load it
-        # may not finish): when it was written, it says why B died.
+        # may not start, or not finish): when it was written, it says why B died.
+        dump = run.out_dir / f"kvown-flight-rank{rank}-pid{run.infos[rank]['pid']}.jsonl"
+        records = flight_records(run.out_dir, rank, run.infos[rank]["pid"]) if dump.exists() else []
         assert not records or records[0]["reason"] == "terminated"
 
 
