@@ -305,12 +305,12 @@ def kv_latency(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, mode: st
         sender, engine = rt.sender, rt.engine
         posted, outcomes = [], collections.Counter()
         for i, rid in enumerate(rids):
-            before = engine.stats["bytes_written"]
+            before = engine.driver.stats["bytes_written"]
             h = sender.send(rid, range(nb))
             req = comm.isend(i, dest=RECEIVER, tag=TAG_OPENED)  # context-first: opened before publication
             wait_event(h.released, "sender released")
             outcomes[h.outcome.result(1).value] += 1
-            posted.append(engine.stats["bytes_written"] - before)  # engine counter: read-only peek
+            posted.append(engine.driver.stats["bytes_written"] - before)  # engine counter: read-only peek
             req.wait()
             if time.monotonic() > deadline:
                 raise BenchError("latency phase past the run deadline")

@@ -28,6 +28,16 @@ Rules:
      ``post_write`` coalesces pairs that are contiguous on both sides, and the prepped path lets NIXL
      merge contiguous index runs (measured: 256 contiguous 4 KiB blocks post in ~46 us, scattered ~356 us).
 
+  7. A WRITE's notification (``notif``) is sent by NIXL itself, only once every request of the
+     transfer - the data and the endpoint flush - completed successfully: inside ``transfer()``
+     when the transfer completes there (UCX ``cma`` copies inside the post), otherwise in the status
+     check that first finds it complete. A transfer that reported an error, or whose post raised,
+     never sends it (NIXL drops it on the error path). So its arrival proves the bytes landed and that
+     transfer touches the destination no more; the target may see it one status check before the
+     initiator sees DONE (the notification's own send may still be completing). Source: NIXL's UCX
+     backend, ``nixlUcxEngine::postXfer`` / ``checkXfer``; the contract tests check what can be
+     checked on a host (bytes in place when it arrives; none for a refused WRITE).
+
 Invariants:
   INV-NX-1  Every posted, unreleased handle is referenced from ``_live`` (rooted), so the NIXL
             finalizer (``nixl_xfer_handle.__del__`` releases, i.e. cancels) can never run on it.

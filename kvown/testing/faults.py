@@ -27,6 +27,11 @@ Rules:
   2. A fault never lies about safety-relevant physics: a WRITE reported DONE really completed below
      (the wrapper polls the inner transport before saying DONE), and a "post raised" WRITE is really
      on the wire.
+  3. A WRITE's notification (a carried result) follows the WRITE's injected fate, as NIXL's does its
+     transfer (``kvown.adapters.nixl`` rule 7): the inner WRITE is posted without it, and the wrapper
+     sends it itself when it first reports DONE for that handle - never for a WRITE that is stuck,
+     reported ERROR, or whose post "raised". So a slow WRITE's report arrives when the WRITE is seen
+     done, not when the real copy below happened to finish.
 """
 
 from __future__ import annotations
@@ -104,6 +109,7 @@ class _Write:
     error_until_ns: int | None = None  # report ERROR until then ...
     settles: bool = True  # ... then DONE (if the inner handle finishes), else ERROR for good
     inner_error: bool = False  # the real transfer below reported ERROR: nothing here will change it
+    notif: tuple[int, bytes] | None = None  # (receiver rank, frame) to send at DONE (rule 3)
 
 
 @dataclass
@@ -181,6 +187,22 @@ class FaultyTransport:
         if self._fires("send-raise-after", p.p_send_raise_after):
             raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
 
+    def _send_notif(self, rank: int, frame: bytes) -> None:
+        """A WRITE's notification: with a frame's latency (NIXL orders it against no other notification)
+        and, with ``p_dup``, delivered twice (a replay: the receiver must count it once)."""
+        p = self.profile
+        copies = 2 if self._fires("dup-carried", p.p_dup) else 1
+        for _ in range(copies):
+            delay = self._latency(p.frame_delay_ns)
+            if delay:
+                self._order += 1
+                heapq.heappush(self._out, (self.clock() + delay, self._order, rank, frame))
+            else:
+                try:
+                    self.inner.send(rank, frame)
+                except AdapterError:
+                    self.counts["notif-lost"] += 1
+
     def _flush_out(self) -> None:
         now = self.clock()
         while self._out and self._out[0][0] <= now:
@@ -206,14 +228,11 @@ class FaultyTransport:
 
     # ---- writes ---------------------------------------------------------------------------------
 
-    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome:
+    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
         self._flush_out()
         p, now = self.profile, self.clock()
         if self._fires("not-posted", p.p_not_posted):
             return NotPosted("injected: refused before posting")
-        outcome = self.inner.write(action, local_aux_slot)
-        if isinstance(outcome, NotPosted):
-            return outcome
         fate = _Write(now + self._latency(p.write_ns))
         slow = self.plan.get("slow-writer")
         if slow is not None and slow.fires():
@@ -224,8 +243,14 @@ class FaultyTransport:
         elif self._fires("write-error", p.p_write_error):
             fate.error_until_ns = fate.due_ns + self._latency(p.write_ns) * 4
             fate.settles = self.rng.random() < p.p_late_done
+        raises = self._fires("post-raises", p.p_post_raises)
+        outcome = self.inner.write(action, local_aux_slot)  # rule 3: the notification is ours to send
+        if isinstance(outcome, NotPosted):
+            return outcome
+        if notif is not None and not (fate.stuck or fate.error_until_ns is not None or raises):
+            fate.notif = (action.receiver_rank, notif)
         self._writes[id(outcome.handle)] = fate
-        if isinstance(outcome, Posted) and self._fires("post-raises", p.p_post_raises):
+        if isinstance(outcome, Posted) and raises:
             return InDoubt(outcome.handle, "injected: transfer() raised after posting")
         return outcome
 
@@ -241,6 +266,8 @@ class FaultyTransport:
         status = self.inner.poll(handle)  # rule 2: DONE only when it is really done below
         if status is XferStatus.DONE:
             del self._writes[id(handle)]
+            if fate.notif is not None:  # rule 3: the WRITE's notification leaves when it is seen done
+                self._send_notif(*fate.notif)
         elif status is XferStatus.ERROR:
             fate.inner_error = True
         return status
