@@ -52,6 +52,8 @@ MAX_METADATA_NBYTES = 1 << 20  # NIXL metadata is ~0.5 KiB plus a few dozen byte
 class Role(enum.Enum):
     """What a rank does: write KV (context/prefill) or receive it (generation/decode)."""
 
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     SENDER = "sender"
     RECEIVER = "receiver"
 
@@ -257,8 +259,12 @@ class KVTransport:
                     peer.agent_name, [(self._aux_addr + local_aux_slot * n, n)],
                     [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM, notif=notif)
             elif action.num_slices == 1:
-                local_idx = self.space.indices(action.src_blocks)
-                remote_idx = peer.space.indices(action.dst_blocks)
+                if len(self.space.regions) == 1 and len(peer.space.regions) == 1 and len(action.src_blocks) <= 64:
+                    local_idx: Any = list(action.src_blocks)  # one region: a block's index is its id
+                    remote_idx: Any = list(action.dst_blocks)  # (the endpoint checks the range)
+                else:
+                    local_idx = self.space.indices(action.src_blocks)
+                    remote_idx = peer.space.indices(action.dst_blocks)
                 handle = self.endpoint.post_write_blocks(peer.agent_name, self._local_prep, local_idx,
                                                          self._remote_prep[action.receiver_rank], remote_idx,
                                                          notif)

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 
 class PieceKind(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     KV = "kv"
     AUX = "aux"
 
 
 class Outcome(enum.Enum):
     """A session's logical outcome. Committed once; never changes afterwards."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
 
     COMPLETED = "completed"
     CANCELLED = "cancelled"

@@ -94,6 +94,8 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class RxState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     ACTIVE = "active"  # published; collecting evidence; no outcome yet
     DELIVERED = "delivered"  # completed: the consumer may read; waiting for release and settlement
     DRAINING = "draining"  # outcome committed; waiting for every claim to settle
@@ -102,6 +104,8 @@ class RxState(enum.Enum):
 
 
 class RxInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     CANCEL = "cancel"
     RESULT = "result"
     QUIESCED = "quiesced"

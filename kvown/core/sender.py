@@ -87,6 +87,8 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class OpState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     ADMITTED = "admitted"  # created; waiting for its source piece to be ready
     SUBMITTING = "submitting"  # PostWrite emitted; the driver is posting
     SUBMITTED = "submitted"  # posted; the handle is polled
@@ -96,6 +98,8 @@ class OpState(enum.Enum):
 
 
 class OpInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     POST = "post"
     REFUSE = "refuse"
     SUBMITTED = "submitted"
@@ -182,6 +186,14 @@ class SendSession:
     def piece_blocks(self, piece: int) -> slice:
         n = len(self.src_blocks)
         return slice(piece * n // self.num_pieces, (piece + 1) * n // self.num_pieces)
+
+    def has_live_ops(self) -> bool:
+        """``bool(live_ops())`` without building the list (called after every input)."""
+        for st in self.streams.values():
+            for op in st.ops:
+                if op.state in IN_FLIGHT:
+                    return True
+        return False
 
     def live_ops(self) -> list[Operation]:
         return [op for st in self.streams.values() for op in st.ops if op.state in IN_FLIGHT]
@@ -473,7 +485,7 @@ class SenderCore(RankCore[SendSession]):
             self._conclude(s, Outcome.COMPLETED, "every stream delivered", now_ns, actions)
         for stream in s.streams.values():
             self._flush(s, stream, actions)
-        if s.outcome is not None and not s.live_ops() and all(
+        if s.outcome is not None and not s.has_live_ops() and all(
             st.quiescent() and (st.acked or not st.quiesce_requested) for st in s.streams.values()
         ):
             del self.sessions[s.request_id]
@@ -496,7 +508,7 @@ class SenderCore(RankCore[SendSession]):
         return (s.clock.request_deadline_ns if s.outcome is None else None), self._fatal_deadline_ns(s)
 
     def _fatal_deadline_ns(self, s: SendSession) -> int | None:
-        return s.clock.fatal_deadline_ns if s.live_ops() else None
+        return s.clock.fatal_deadline_ns if s.has_live_ops() else None
 
     def _fatal_action(self, request_id: int, s: SendSession) -> FailStop:
         ops = ", ".join(f"op {op.op_id} {op.state.value} -> rank {op.receiver_rank}" for op in s.live_ops())

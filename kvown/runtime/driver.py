@@ -38,9 +38,12 @@ Rules:
   7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``
      and ``statistics``. The cores are read and written only under ``lock``, which ``step`` holds
      just while a core handles one event (never during I/O).
-  8. The hot path formats nothing: the flight recorder gets integer event codes and plain values
-     (``FlightRecorder.note``), ready tokens that are ready when a send opens are reported at once
-     and never polled, and a WRITE handle is polled only while it is in flight.
+  8. The hot path formats nothing and scans nothing that does not move: the flight recorder gets
+     integer event codes and plain values (``FlightRecorder.note``); a ready token that is ready when
+     its send opens is reported at once and never polled, and the others are queried round robin, at
+     most ``TOKEN_POLL_BUDGET`` sends per step (with P sends waiting for their producer, a ready token
+     is seen within ceil(P / 256) steps), so a step's cost does not grow with the live sessions; a
+     WRITE handle is polled only while it is in flight.
 
 Invariants:
   INV-DR1  A PostWrite is executed only as the core emits it (so never before its ready token).
@@ -130,6 +133,7 @@ EV_CANCEL = event_code("cancel", "role")
 EV_CONCLUDE = event_code("conclude", "outcome", "reason")
 EV_RETIRE = event_code("retire", "blocks")
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
+TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
 
 
 class _Outgoing:
@@ -196,6 +200,7 @@ class Driver:
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
         self._unsent: dict[int, _Outgoing] = {}
         self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
+        self.batch_frames = True  # rule 2; False sends one frame per message (benchmarks compare the two)
         self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
         self._in_doubt: set[int] = set()  # op ids whose post raised or whose handle reported ERROR
         self._unreleased: list[Any] = []  # DONE handles whose release failed: retried each step
@@ -496,6 +501,10 @@ class Driver:
         """Rule 2: every peer's messages of this step leave as one frame (split below the frame cap)."""
         outbox, self._outbox = self._outbox, {}
         for dst, messages in outbox.items():
+            if not self.batch_frames:
+                for message in messages:
+                    self._send_frame(dst, [message])
+                continue
             start, size = 0, 0
             for i, message in enumerate(messages):
                 size += FrameCodec.message_nbytes(message)
@@ -589,10 +598,15 @@ class Driver:
                     del self._local_copies[token_id]
                     moved = True
                     self._events.append((self.receiver, LocalCompletionDone(request_id, token_id)))  # type: ignore[arg-type]
-        for request_id, state in list(self._pending_tokens.items()):
+        pending = self._pending_tokens
+        for _ in range(min(len(pending), TOKEN_POLL_BUDGET)):  # rule 8: round robin, bounded per step
+            request_id = next(iter(pending))
+            state = pending.pop(request_id)
+            if self._sends.get(request_id) is not state:
+                continue
             moved |= self._report_ready(request_id, state)
-            if all(t is None for t in state.tokens) or self._sends.get(request_id) is not state:
-                del self._pending_tokens[request_id]
+            if any(t is not None for t in state.tokens):
+                pending[request_id] = state  # to the back of the line
         return moved
 
     def _report_ready(self, request_id: int, state: _SendState) -> bool:

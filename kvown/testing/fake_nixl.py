@@ -351,8 +351,8 @@ class _FakeAgent:
                           notif: bytes = b"") -> _Xfer:
         self.fabric._tick()
         assert op == "WRITE" and rp.agent is not None
-        lrows = [lp.rows[i] for i in li.tolist()]
-        rrows = [rp.rows[i] for i in ri.tolist()]
+        lrows = [lp.rows[i] for i in (li.tolist() if hasattr(li, "tolist") else li)]  # NIXL takes either
+        rrows = [rp.rows[i] for i in (ri.tolist() if hasattr(ri, "tolist") else ri)]
         self._check_sides(lrows, rrows, rp.agent)
         return self._new_xfer(lrows, rrows, rp.agent, notif)
 

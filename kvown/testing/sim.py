@@ -646,7 +646,7 @@ class SimWorld:
 
     def _check_pool(self, rank: _Rank) -> None:
         pool = rank.pool
-        if len(pool._free) + pool._num_owned + pool._num_held != pool.layout.num_blocks:
+        if pool._num_free + pool._num_owned + pool._num_held != pool.layout.num_blocks:
             raise self.violation("e", f"pool accounting broken on rank {rank.rank}")
 
     def _check_new_writes(self) -> None:

@@ -337,6 +337,26 @@ def test_a_refused_write_sends_no_notification(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_prepped_write_with_index_lists(pair: Pair) -> None:
+    """The short-list fast path (nixl rule 6): Python lists go to NIXL as they are, checked the same."""
+    block = 4 * KIB
+    lp = pair.a.prep_blocks(pair.src_addr, block, 16, MemKind.DRAM)
+    rp = pair.a.prep_blocks(pair.dst_addr, block, 16, MemKind.DRAM, peer=pair.b.name)
+    h = pair.a.post_write_blocks(pair.b.name, lp, [3, 4, 9], rp, [0, 1, 15], notif=b"list")
+    assert h.nbytes == 3 * block
+    assert pair.wait(h) is XferStatus.DONE
+    pair.a.release(h)
+    want = np.concatenate([pair.src[3 * block : 5 * block], pair.src[9 * block : 10 * block]])
+    got = np.concatenate([pair.dst[0 : 2 * block], pair.dst[15 * block : 16 * block]])
+    assert np.array_equal(got, want)
+    for bad, field in (([16], "remote_idx"), ([-1], "remote_idx"), ([], "local_idx")):
+        with pytest.raises(LocalProtocolError) as e:
+            pair.a.post_write_blocks(pair.b.name, lp, [0] if bad else [], rp, bad)
+        assert e.value.field == field
+    assert pair.a.live_handles == 0
+
+
+@pytest.mark.timeout(60)
 def test_prepped_write_notification_follows_the_data(pair: Pair) -> None:
     """The path kvown's carried results take: a prepped WRITE whose notification is the report."""
     block = 16 * KIB
