@@ -17,6 +17,11 @@ Measures:
             ``scale_cost_ratio`` = top / bottom (target <= 1.5).
   fence     bytes per fenced id at 1,000,000 ids (``CancellationFence.nbytes``) and tracemalloc, and
             lookup time, against TensorRT-LLM's ``dict[int, bool]`` (target <= 16 B/id).
+  w4        descriptor sweep: fixed bytes per session, 16..256 tokens per block (4 KiB per token in
+            the mini geometry), blocks contiguous (a fresh pool, as the allocator keeps them) or
+            scattered (every other block held by a dummy owner: one descriptor per block). kvown: CPU
+            per session, both sides; B0: raw NIXL posts of the same prepped lists and indices, post ->
+            DONE, in the same process.
 
 Rules:
   1. Fixed seeds; a fresh pair per measurement; warm-up sessions are not counted.
@@ -238,16 +243,15 @@ def scale_point(live: int, fences: int, probe: int, spec: PairSpec, seed: int) -
             pair.drivers[1].receiver.fence.install(rid, CancelOrigin.CLIENT)
         background = Rids(epoch=2).take(live)
         tickets = [pair.rx.submit_receive(rid, 1, (0,)) for rid in background]  # published, never sent
-        for _ in range(64):
+        saved = pair.drivers[0].sender._saved
+        for _ in range(MAX_ROUNDS):  # published on the receiver, saved on the sender (bounded)
             pair.step(1)
             pair.step(0)
-            if all(t.future.done() for t in tickets):
+            if all(t.future.done() for t in tickets) and sum(map(len, saved.values())) == live:
                 break
-        for _ in range(64):  # the publications reach the sender and are saved there
-            if not (pair.step(0) | pair.step(1)):
-                break
+        else:
+            raise RuntimeError("the background publications did not arrive")
         assert len(pair.drivers[1].receiver.sessions) == live
-        assert sum(map(len, pair.drivers[0].sender._saved.values())) == live
         rids = Rids(epoch=1)
         pair.run(rids.take(100), 1, 4)  # warm-up
         gc.collect()
@@ -321,6 +325,99 @@ def fence(n: int, seed: int) -> dict[str, Any]:
             "target_bytes_per_id": 16, "met": f.nbytes() / n <= 16}
 
 
+# ---------------------------------------------------------------------------------------------- W4
+
+
+def descriptor_point(tokens: int, session_nbytes: int, scattered: bool, sessions: int, spec: PairSpec
+                     ) -> dict[str, Any]:
+    from kvown.adapters.nixl import XferStatus
+
+    block = tokens * 4 * KIB
+    nb = session_nbytes // block
+    pair = Pair(replace(spec, block_nbytes=block, num_blocks=4 * nb + 8))
+    try:
+        if scattered:  # hold every other block on both sides: each session's blocks are nb runs
+            for rank in (0, 1):
+                pool = pair.drivers[rank].pool
+                held = pool.allocate(pool.layout.num_blocks, owner="w4-all")
+                pool.retire([b for b in held if b % 2 == 0], owner="w4-all")
+        rids = Rids()
+        t_runs = []
+        for label, n in (("warm", 8), ("measured", sessions)):
+            ids = rids.take(n)
+            if label == "measured":
+                gc.collect()
+                pair.reset()
+            t0 = time.perf_counter_ns()
+            _run_sessions(pair, ids, nb)
+            t_runs.append(time.perf_counter_ns() - t0)
+        kv_cpu = (pair.cpu_ns[0] + pair.cpu_ns[1]) / sessions
+        kv_wall = t_runs[-1] / sessions
+        # B0: the same descriptors, posted raw between the same two agents (prepped lists, same indices)
+        tx = pair.drivers[0].transport
+        rx_name = pair.transports[1].info.agent_name
+        idx = list(range(0, 2 * nb, 2)) if scattered else list(range(nb))
+        ep = tx.endpoint
+        lp, rp = tx._local_prep, tx._remote_prep[1]
+        raw = []
+        for i in range(sessions + 8):
+            t0 = time.perf_counter_ns()
+            h = ep.post_write_blocks(rx_name, lp, idx, rp, idx)
+            for _ in range(1_000_000):
+                if ep.poll(h) is not XferStatus.IN_PROGRESS:
+                    break
+                pair.transports[1].endpoint.drain_notifs()
+            ep.release(h)
+            if i >= 8:
+                raw.append(time.perf_counter_ns() - t0)
+        raw_us = sorted(raw)[len(raw) // 2] / 1e3
+        return {"tokens_per_block": tokens, "block_nbytes": block, "blocks": nb, "scattered": scattered,
+                "descriptors": nb if scattered else 1, "session_nbytes": session_nbytes,
+                "kvown_cpu_us": round(kv_cpu / 1e3, 1), "kvown_cpu_us_per_block": round(kv_cpu / 1e3 / nb, 2),
+                "kvown_wall_us": round(kv_wall / 1e3, 1), "kvown_gbps": round(session_nbytes / kv_wall, 3),
+                "raw_post_to_done_us": round(raw_us, 1), "raw_gbps": round(session_nbytes / (raw_us * 1e3), 3),
+                "ratio": round((session_nbytes / kv_wall) / (session_nbytes / (raw_us * 1e3)), 3)}
+    finally:
+        pair.close()
+
+
+def _run_sessions(pair: Pair, rids: list[int], nb: int) -> None:
+    """One session at a time (the descriptor cost, not the overlap, is the question)."""
+    for rid in rids:
+        ticket = pair.rx.submit_receive(rid, nb, (0,))
+        pair.step(1)
+        h = ticket.future.result(0)
+        pair.tx.send(rid, h.blocks if False else tuple(_source_blocks(pair, nb)))
+        for _ in range(MAX_ROUNDS):
+            pair.step(0)
+            pair.step(1)
+            if h.landed.is_set():
+                break
+        pair.rx.release(rid)
+        for _ in range(MAX_ROUNDS):
+            pair.step(1)
+            pair.step(0)
+            if h.retired.is_set() and not pair.drivers[0]._sends:
+                break
+
+
+def _source_blocks(pair: Pair, nb: int) -> list[int]:
+    """The sender's source blocks: its free blocks, as laid out (contiguous or every other one)."""
+    pool = pair.drivers[0].pool
+    free = pool.free_blocks()
+    return list(free[:nb])
+
+
+def w4(tokens_list: list[int], session_nbytes: int, sessions: int, spec: PairSpec, bar: bool) -> dict[str, Any]:
+    points = []
+    with progress(2 * len(tokens_list), "W4 descriptor sweep", bar) as pbar:
+        for scattered in (False, True):
+            for tokens in tokens_list:
+                points.append(descriptor_point(tokens, session_nbytes, scattered, sessions, spec))
+                pbar.update(1)
+    return {"points": points}
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -343,6 +440,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              args.progress)
     if "fence" in parts:
         out["fence"] = fence(args.fence_ids, args.seed)
+    if "w4" in parts:
+        out["w4"] = w4([16, 32, 64, 128, 256], args.w4_mib * (1 << 20), args.w4_sessions, spec, args.progress)
     return out
 
 
@@ -362,6 +461,11 @@ def report(r: dict[str, Any]) -> None:
                   f"(both sides) runs {p['cost_us_runs']}")
         print(f"  scale_cost_ratio {r['scale']['scale_cost_ratio']} (target <= 1.5: "
               f"{'met' if r['scale']['met'] else 'NOT met'})")
+    if "w4" in r:
+        print("  W4 descriptor sweep: tokens/block blocks descs  kvown CPU us (per block)  kvown/raw GB/s")
+        for p in r["w4"]["points"]:
+            print(f"    {p['tokens_per_block']:4d} {p['blocks']:5d} {p['descriptors']:5d}  {p['kvown_cpu_us']:9.1f} "
+                  f"({p['kvown_cpu_us_per_block']:6.2f})  {p['kvown_gbps']:.2f}/{p['raw_gbps']:.2f} = {p['ratio']}")
     if "fence" in r:
         f = r["fence"]
         print(f"  fence {f['ids']} ids: {f['fence_bytes_per_id']} B/id (tracemalloc {f['fence_tracemalloc_bytes_per_id']};"
@@ -370,7 +474,7 @@ def report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown bench cost", description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="engine,scale,fence", help="comma list of engine, scale, fence")
+    ap.add_argument("--parts", default="engine,scale,fence,w4", help="comma list of engine, scale, fence, w4")
     ap.add_argument("--sessions", type=int, default=2000)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
@@ -380,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-fences", type=int, default=1_000_000)
     ap.add_argument("--scale-reps", type=int, default=3)
     ap.add_argument("--fence-ids", type=int, default=1_000_000)
+    ap.add_argument("--w4-mib", type=int, default=16, help="bytes per W4 session (MiB)")
+    ap.add_argument("--w4-sessions", type=int, default=40)
     ap.add_argument("--fake", action="store_true", help="the fake NIXL library instead of real NIXL")
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -390,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sessions, args.reps, args.probe, args.scale_reps = 200, 1, 200, 1
         args.scale_live, args.scale_fences, args.fence_ids = 2000, 100_000, 100_000
+        args.w4_mib, args.w4_sessions = 4, 5
     result = run(args)
     report(result)
     write_json(args.json, result)
