@@ -571,24 +571,29 @@ class Driver:
             except KvownError:
                 self.stats["release_failures"] += 1
         for op_id, handle in list(self._writes.items()):
-            status = self.transport.poll(handle)
-            if status is XferStatus.IN_PROGRESS:
-                continue
-            if status is XferStatus.DONE:
-                moved = True
-                del self._writes[op_id]
-                self._in_doubt.discard(op_id)
-                try:
-                    self.transport.release(handle)
-                except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
-                    self.stats["release_failures"] += 1
-                    self._unreleased.append(handle)
-                self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
-            elif op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
-                moved = True
-                self._in_doubt.add(op_id)
-                self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+            moved |= self._check_write(op_id, handle)
         return moved
+
+    def _check_write(self, op_id: int, handle: Any) -> bool:
+        """Poll one WRITE in flight; turn DONE or a first ERROR into its one core event."""
+        status = self.transport.poll(handle)
+        if status is XferStatus.IN_PROGRESS:
+            return False
+        if status is XferStatus.DONE:
+            del self._writes[op_id]
+            self._in_doubt.discard(op_id)
+            try:
+                self.transport.release(handle)
+            except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
+                self.stats["release_failures"] += 1
+                self._unreleased.append(handle)
+            self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
+            return True
+        if op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
+            self._in_doubt.add(op_id)
+            self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+            return True
+        return False
 
     def _poll_tokens(self) -> bool:
         moved = False
@@ -674,6 +679,9 @@ class Driver:
                 self._writes[action.op_id] = handle
                 self.stats["bytes_written"] += nbytes
                 self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
+                # One poll at once: a WRITE that completed inside the post (UCX cma copies there) is
+                # reported DONE in this step, not one step later (DONE from the post is the same proof).
+                self._check_write(action.op_id, handle)
             case NotPosted(reason=reason):
                 self._events.append((self.sender, WriteNotSubmitted(action.op_id, reason)))  # type: ignore[arg-type]
             case InDoubt(handle=handle, reason=reason):

@@ -80,8 +80,8 @@ class Pair:
         layout = KVLayout.standard(num_layers=layers, num_blocks=spec.num_blocks, tokens_per_block=tokens,
                                    num_kv_heads=heads, head_dim=dim, dtype="bfloat16")
         assert layout.block_nbytes == spec.block_nbytes, layout.block_nbytes
-        config = TransferConfig(transfer_timeout_s=spec.timeout_s, fault=None, metrics_port=0,
-                                carry_results=spec.carry)
+        levers = {"carry_results": spec.carry} if "carry_results" in TransferConfig.__dataclass_fields__ else {}
+        config = TransferConfig(transfer_timeout_s=spec.timeout_s, fault=None, metrics_port=0, **levers)
         fabric = None
         if spec.fake:
             from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint

@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--b1-sessions", type=int, default=5)
     ap.add_argument("--settle", type=float, default=3.0, help="canary check after this many WRITE(S) + 1 ms")
     ap.add_argument("--rtt-iters", type=int, default=2000)
+    ap.add_argument("--spin-s", type=float, default=0.05,
+                    help="engines keep polling this long after progress (the baselines poll all the time); "
+                         "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=900.0)
     ap.add_argument("--json", type=Path, default=None)
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_layers=4, num_blocks=num_blocks, tokens_per_block=tokens, num_kv_heads=heads,
                                head_dim=128, dtype="bfloat16")
-    config = TransferConfig(transfer_timeout_s=5.0)
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"})
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
     raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag)
@@ -459,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     rids = Rids()
     show = args.progress and rank == RX
     result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
-                              "heads": heads, "args": {k: str(v) for k, v in vars(args).items()}}
+                              "heads": heads, "engine_spin_s": config.spin_s,
+                              "engine_idle_sleep_s": config.idle_sleep_s,
+                              "args": {k: str(v) for k, v in vars(args).items()}}
 
     # ---- yardsticks
     rtt = raw.rtt(args.rtt_iters, deadline)
