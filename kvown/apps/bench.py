@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             extra += [flag, str(Path(value).resolve())]
     if args.quick:
         extra.append("--quick")
-    if args.dry_run and args.name == "suite":
-        extra.append("--dry-run")
+    if args.dry_run and args.name == "suite":  # the plan only: printed here, nothing started
+        from kvown.apps.benchmarks import suite
+
+        return suite.main([*extra, "--dry-run"])
     try:
         cmd = build_command(args.name, extra, quick=args.quick)
     except FileNotFoundError as exc:

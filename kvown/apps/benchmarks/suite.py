@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
     args = ap.parse_args(argv)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvown-bench-"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "kvown-bench" if args.dry_run else \
+        Path(tempfile.mkdtemp(prefix="kvown-bench-"))
+    if not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
     plan = [s for s in steps(args.quick) if not args.only or s[0] in args.only.split(",")]
     timeout = args.step_timeout_s or (300.0 if args.quick else 1800.0)
     raw: dict[str, Any] = {}
