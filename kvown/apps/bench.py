@@ -69,7 +69,7 @@ REGISTRY: dict[str, Workload] = {
 
 
 def build_command(name: str, extra: list[str], *, quick: bool = False,
-                  fixed: tuple[str, ...] | None = None) -> list[str]:
+                  fixed: tuple[str, ...] | None = None, ranks: int | None = None) -> list[str]:
     """The argv that runs workload ``name`` with ``extra`` options (``fixed`` replaces the registry's
     selecting options). Raises FileNotFoundError (rule 1)."""
     w = REGISTRY[name]
@@ -81,7 +81,8 @@ def build_command(name: str, extra: list[str], *, quick: bool = False,
         program = [sys.executable, str(path)]
     else:
         program = [sys.executable, "-m", w.module, *(w.args if fixed is None else fixed)]
-    ranks = w.quick_ranks if quick and w.quick_ranks else w.ranks
+    if ranks is None or w.ranks is None:
+        ranks = w.quick_ranks if quick and w.quick_ranks else w.ranks
     if ranks is None:
         return [*program, *extra]
     try:
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write a PNG here (CDFs and ratio bars)")
     ap.add_argument("--quick", action="store_true", help="small sizes: the smoke test CI runs")
     ap.add_argument("--timeout-s", type=float, default=None, help="kill the run after this many seconds")
+    ap.add_argument("--ranks", type=int, default=None, help="mpirun -n for an MPI workload (e.g. fanin with more writers)")
     ap.add_argument("--dry-run", action="store_true", help="print the command(s) and exit")
     args, extra = ap.parse_known_args(argv)
     for flag, value in (("--json", args.json), ("--plot", args.plot)):
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return suite.main([*extra, "--dry-run"])
     try:
-        cmd = build_command(args.name, extra, quick=args.quick)
+        cmd = build_command(args.name, extra, quick=args.quick, ranks=args.ranks)
     except FileNotFoundError as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -90,6 +90,14 @@ def spin_until_ns(t_ns: int) -> None:
         os.sched_yield()
 
 
+def _sync(t: Any) -> None:
+    """Wait for the fills on a CUDA tensor (the canary must be in memory before anyone may write)."""
+    if t.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(t.device)
+
+
 def runs_of(blocks: tuple[int, ...]) -> int:
     return 1 + sum(1 for a, b in zip(blocks, blocks[1:]) if b != a + 1) if blocks else 0
 
@@ -114,15 +122,15 @@ class Rids:
 class Raw:
     """A second NixlEndpoint and buffer per rank for the baselines; rank 0 peers with every writer."""
 
-    def __init__(self, comm: Any, rank: int, nbytes: int, tag: str) -> None:
+    def __init__(self, comm: Any, rank: int, nbytes: int, tag: str, device: str = "cpu") -> None:
         import torch
 
         from kvown.adapters.nixl import MemKind, NixlEndpoint
 
-        self.MemKind = MemKind
         self.comm, self.rank = comm, rank
-        self.buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
-        self.np = self.buf.numpy()
+        self.buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8, device=device)
+        self.mem = MemKind.VRAM if self.buf.device.type == "cuda" else MemKind.DRAM
+        self.device_id = self.buf.device.index or 0
         self.ep = NixlEndpoint(f"bench-raw-{tag}-r{rank}")
         self.ep.register_tensor(self.buf)
         info = comm.allgather((self.ep.metadata(), self.buf.data_ptr()))
@@ -138,7 +146,8 @@ class Raw:
 
     def post(self, dst: int, src_off: int, dst_off: int, nbytes: int, notif: bytes | None) -> Any:
         return self.ep.post_write(self.peers[dst], [(self.addr + src_off, nbytes)],
-                                  [(self.remote_addr[dst] + dst_off, nbytes)], self.MemKind.DRAM, notif=notif)
+                                  [(self.remote_addr[dst] + dst_off, nbytes)], self.mem, self.mem, notif=notif,
+                                  device_id=self.device_id, remote_device_id=self.device_id)
 
     def wait_done(self, handle: Any, deadline: float) -> None:
         from kvown.adapters.nixl import XferStatus
@@ -246,7 +255,7 @@ class Raw:
                 self.wait_done(self.post(RX, 0, 0, size, b"w%d" % i), deadline)
             self.take(b"end", deadline)
         elif self.rank == RX:
-            slot = self.np[:size]
+            slot = self.buf[:size]
             for i, (cancel, delay_ns) in enumerate(plan):
                 t_go = time.monotonic_ns()
                 self.ep.send_notif(self.peers[1], b"go")
@@ -257,13 +266,14 @@ class Raw:
                 t_cancel = time.monotonic_ns()
                 if hold_ns:
                     spin_until_ns(t_cancel + hold_ns)
-                slot[:] = CANARY  # the slot is free again: the next request may use it
+                slot.fill_(CANARY)  # the slot is free again: the next request may use it
+                _sync(slot)
                 freed.append(time.monotonic_ns() - t_cancel)
                 end = time.monotonic_ns() + settle_ns
                 while time.monotonic_ns() < end:  # let a late write land (and keep progressing)
                     self.pump()
                     os.sched_yield()
-                violations += int((slot != CANARY).any())
+                violations += int(bool((slot != CANARY).any()))
                 self.take(b"w%d" % i, deadline)  # the writer's WRITE did finish; drop its notification
             self.ep.send_notif(self.peers[1], b"end")
         soft_barrier(self.comm, deadline)
@@ -349,7 +359,7 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
             if time.monotonic() > deadline:
                 raise BenchError("session phase past the run deadline")
     elif rank == RX:
-        receiver, pool = rt.receiver, rt.engine.pool.tensor.numpy()
+        receiver, pool = rt.receiver, rt.engine.pool.tensor
         block = rt.engine.pool.layout.block_nbytes
         violations = 0
         for i, rid in enumerate(rids):
@@ -376,11 +386,12 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
             if canary:  # the blocks are FREE: nobody may write them any more
                 spans = [pool[b * block : (b + 1) * block] for b in h.blocks]
                 for span in spans:
-                    span[:] = CANARY
+                    span.fill_(CANARY)
+                _sync(pool)
                 end = time.monotonic_ns() + settle_ns
                 while time.monotonic_ns() < end:
                     os.sched_yield()
-                violations += sum(int((span != CANARY).any()) for span in spans)
+                violations += sum(int(bool((span != CANARY).any())) for span in spans)
             if bar is not None:
                 bar.update(1)
         out["violations"] = violations
@@ -414,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
                          "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=900.0)
+    ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
+    ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
+    ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per block")
+    ap.add_argument("--w3-rates", default="20", help="cancel percent in W3")
+    ap.add_argument("--w3-writers", default="", help="comma list of K for W3 (default: 1 .. ranks - 1)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
@@ -435,30 +453,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workloads = set(args.workloads.split(","))
     writers = tuple(range(1, size))
-    heads = 2 if size <= 3 else 6  # W3 slices heads among K writers: 6 divides by 1, 2 and 3
+    heads = args.kv_heads or (2 if size <= 3 else 6)  # W3 slices heads among K writers: 6 divides by 1, 2, 3
     w1_sizes = [_parse_size(s) for s in args.w1_sizes.split(",")]
     w2_sizes = [_parse_size(s) for s in args.w2_sizes.split(",")]
     t_start = time.monotonic()
     deadline = t_start + args.deadline_s
     rng = random.Random(args.seed)
     window = args.window
-    tokens = 16
-    layout = KVLayout.standard(num_layers=4, num_blocks=1, tokens_per_block=tokens, num_kv_heads=heads,
-                               head_dim=128, dtype="bfloat16")
-    block = layout.block_nbytes
+    tokens = args.tokens
+    geometry = dict(num_layers=args.layers, tokens_per_block=tokens, num_kv_heads=heads, head_dim=args.head_dim,
+                    dtype="bfloat16")
+    block = KVLayout.standard(num_blocks=1, **geometry).block_nbytes
+    w1_sizes = sorted({max(block, s // block * block) for s in w1_sizes})  # whole blocks
+    w2_sizes = sorted({max(block, s // block * block) for s in w2_sizes})
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
-    layout = KVLayout.standard(num_layers=4, num_blocks=num_blocks, tokens_per_block=tokens, num_kv_heads=heads,
-                               head_dim=128, dtype="bfloat16")
+    layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
     config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s)
-    rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"})
+    rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
+                     device=args.device)
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
-    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag)
+    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device)
     if rank != RX:  # fixed, seeded source bytes (never the canary value)
-        g = np.random.default_rng(args.seed + rank)
-        src = rt.engine.pool.tensor.numpy()
-        src[:] = g.integers(0, 255, size=src.size, dtype=np.uint8)
+        import torch
+
+        g = torch.Generator(device="cpu").manual_seed(args.seed + rank)
+        src = rt.engine.pool.tensor
+        src.copy_(torch.randint(0, 255, (src.numel(),), generator=g, dtype=torch.uint8).to(src.device))
         src[src == CANARY] = 0
-        raw.np[:] = (rank * 37) % 251 + 1
+        raw.buf.fill_((rank * 37) % 251 + 1)
+        _sync(src)
     rids = Rids()
     show = args.progress and rank == RX
     result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
@@ -468,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- yardsticks
     rtt = raw.rtt(args.rtt_iters, deadline)
-    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), deadline)
-                for s in sorted(set(w2_sizes) | {64 * KIB, MIB, 4 * MIB})}
+    yard_sizes = sorted(set(w2_sizes) | {s for s in (64 * KIB, MIB, 4 * MIB) if s % block == 0 or s < block})
+    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), deadline) for s in yard_sizes}
     yard = comm.bcast({"notif_rtt": pct(rtt) if rank == RX else None} if rank == RX else None, root=RX)
     writes = comm.bcast({str(s): pct(v) for s, v in write_ns.items()} if rank == 1 else None, root=1)
     result["notif_rtt"], result["raw_write"] = yard["notif_rtt"], writes
@@ -544,11 +567,13 @@ def main(argv: list[str] | None = None) -> int:
     # ---- W3
     if "w3" in workloads:
         rows = []
-        with progress(len(writers), "W3 fan-in", show) as bar:
-            for k in range(1, len(writers) + 1):
+        ks = [int(k) for k in args.w3_writers.split(",")] if args.w3_writers else list(range(1, len(writers) + 1))
+        with progress(len(ks), "W3 fan-in", show) as bar:
+            for k in ks:
                 n = args.w3_sessions + args.warmup
-                w_ns = int(result["raw_write"][str(MIB)]["p50_us"] * 1e3)
-                plan = [(rng.random() < 0.2, int(rng.uniform(0, w_ns))) for _ in range(n)]
+                w_ns = int(result["raw_write"][str(min(int(k) for k in result["raw_write"]))]["p50_us"] * 1e3)
+                rate = int(args.w3_rates.split(",")[0])
+                plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
                 t0 = time.perf_counter_ns()
                 kv = kv_sessions(rt, comm, rank, rids.take(n), args.w3_blocks, writers[:k], plan, 0, False, deadline)
                 wall = time.perf_counter_ns() - t0
