@@ -169,6 +169,29 @@ class Pair:
                 pass
 
 
+class _Timed:
+    """Wraps a NIXL agent: counts and times every library call (CPU time), for the cost breakdown."""
+
+    def __init__(self, agent: Any, sink: collections.Counter, counts: collections.Counter) -> None:
+        self._agent, self._sink, self._counts = agent, sink, counts
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._agent, name)
+        if not callable(fn):
+            return fn
+        sink, counts = self._sink, self._counts
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                sink[name] += time.thread_time_ns() - t0
+                counts[name] += 1
+
+        return timed
+
+
 def _clock_overhead_ns() -> int:
     """The cost of one ``thread_time_ns`` pair (subtracted from every step; ~1.4 us on a slow VM)."""
     n = 2000
@@ -191,6 +214,32 @@ class Rids:
 
 
 # ---------------------------------------------------------------------------------------------- engine
+
+
+def nixl_breakdown(sessions: int, window: int, spec: PairSpec) -> dict[str, Any]:
+    """Per session and side: the CPU spent inside NIXL library calls, and the number of calls, so the
+    engine's own Python share is the engine figure minus this."""
+    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, window)))
+    sinks = [collections.Counter(), collections.Counter()]
+    counts = [collections.Counter(), collections.Counter()]
+    try:
+        rids = Rids()
+        pair.run(rids.take(100), 1, window)
+        for rank in (0, 1):
+            ep = pair.transports[rank].endpoint
+            ep._agent = _Timed(ep._agent, sinks[rank], counts[rank])
+        pair.reset()
+        pair.run(rids.take(sessions), 1, window)
+        out = {}
+        for rank, side in ((0, "sender"), (1, "receiver")):
+            out[side] = {"engine_cpu_us": round(pair.cpu_ns[rank] / sessions / 1e3, 1),
+                         "nixl_cpu_us": round(sum(sinks[rank].values()) / sessions / 1e3, 1),
+                         "nixl_calls": {k: round(v / sessions, 2) for k, v in counts[rank].items()},
+                         "nixl_us_by_call": {k: round(v / sessions / 1e3, 1) for k, v in sinks[rank].items()}}
+            out[side]["python_cpu_us"] = round(out[side]["engine_cpu_us"] - out[side]["nixl_cpu_us"], 1)
+        return out
+    finally:
+        pair.close()
 
 
 def engine_cost(sessions: int, window: int, nb: int, spec: PairSpec, reps: int = 3, warmup: int = 200,
@@ -427,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = args.parts.split(",")
     if "engine" in parts:
         out["engine"] = engine_cost(args.sessions, args.window, 1, spec, args.reps, bar=args.progress)
+        out["engine_breakdown"] = nixl_breakdown(args.sessions, args.window, spec)
         out["engine_4mib"] = engine_cost(max(50, args.sessions // 8), args.window, 64, spec, args.reps,
                                          bar=args.progress)
         if args.levers:
@@ -455,6 +505,10 @@ def report(r: dict[str, Any]) -> None:
                   f"  receiver {m['receiver_cpu_us']:7.1f} us per session (CPU)  wall {m['wall_us']:7.1f} us  "
                   f"frames {m['control_frames']:.2f} ({m['control_messages']:.2f} msgs)  steps "
                   f"{m['sender_steps']:.1f}/{m['receiver_steps']:.1f}")
+    if "engine_breakdown" in r:
+        for side, b in r["engine_breakdown"].items():
+            print(f"  {side:8s} breakdown: {b['engine_cpu_us']} us = NIXL calls {b['nixl_cpu_us']} us "
+                  f"({', '.join(f'{k} {v}' for k, v in b['nixl_us_by_call'].items())}) + Python {b['python_cpu_us']} us")
     if "scale" in r:
         for p in r["scale"]["points"]:
             print(f"  scale live={p['live']:6d} fences={p['fences']:8d}: {p['cost_us']:7.1f} us/session "
