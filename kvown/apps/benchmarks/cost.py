@@ -467,6 +467,82 @@ def w4(tokens_list: list[int], session_nbytes: int, sessions: int, spec: PairSpe
     return {"points": points}
 
 
+# ---------------------------------------------------------------------------------------------- levers
+
+
+def _ns_per_call(fn: Any, n: int) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+    return round(best, 1)
+
+
+def levers(n: int, spec: PairSpec) -> dict[str, Any]:
+    """Micro-measurements of the per-frame and per-event levers, each against the way it was done before
+    (reproduced inline here), and the batching lever on a burst of publications."""
+    import hashlib
+    import hmac as hmac_mod
+
+    import msgpack
+
+    from kvown.adapters.codec import FrameCodec
+    from kvown.core.messages import Envelope, KvResult, Mac, RequestData, ResultStatus, to_wire
+    from kvown.runtime.flight import FlightRecorder, event_code
+
+    key = b"levers-key-0123456789abcdef!!!!!"
+    body = msgpack.packb([1, 3, 0, 1, 5, 0, 123456789, 0, True, 0, 0])
+    mac = Mac(key)
+    out: dict[str, Any] = {
+        "hmac_new_ns": _ns_per_call(lambda: hmac_mod.new(key, body, hashlib.sha256).digest(), n),
+        "hmac_precomputed_ns": _ns_per_call(lambda: mac.tag(body), n),
+    }
+    ring: collections.deque = collections.deque(maxlen=4096)
+
+    def old_record() -> None:  # the recorder before: a clock read, a kwargs dict, an enum name, a deque append
+        ring.append((time.monotonic_ns(), "send", 7, {"msg": ResultStatus.SUCCESS.name, "dst": 1, "seq": 5}))
+
+    rec = FlightRecorder(0)
+    code = event_code("lever_send", "msg", "dst", "seq")
+    out["recorder_old_ns"] = _ns_per_call(old_record, n)
+    out["recorder_note_ns"] = _ns_per_call(lambda: rec.note(code, 7, 3, 1, 5), n)
+    m = KvResult(0, 123456789, 0, True, ResultStatus.SUCCESS, 0)
+    env = Envelope(0, 1, 5, m)
+    codec = FrameCodec(key)
+
+    def old_encode() -> bytes:
+        b = msgpack.packb(to_wire(env), use_bin_type=True)
+        return b + hmac_mod.new(key, b, hashlib.sha256).digest()
+
+    frame = codec.encode(0, 1, 5, [m])
+    out["encode_old_ns"] = _ns_per_call(old_encode, n)
+    out["encode_ns"] = _ns_per_call(lambda: codec.encode(0, 1, 5, [m]), n)
+    out["decode_ns"] = _ns_per_call(lambda: codec.decode(frame), n)
+    many = [RequestData(123456789 + i, 1, (i,), 0, 1, -1) for i in range(64)]
+    out["encode_64_messages_one_frame_ns"] = _ns_per_call(lambda: codec.encode(0, 1, 5, many), max(1, n // 64))
+    out["encode_64_frames_ns"] = _ns_per_call(lambda: [codec.encode(0, 1, 5, [x]) for x in many], max(1, n // 64))
+    out["burst"] = {mode: _burst(256, spec, mode == "batch") for mode in ("batch", "one_frame_per_message")}
+    return out
+
+
+def _burst(n: int, spec: PairSpec, batch: bool) -> dict[str, Any]:
+    """``n`` publications queued at once: the receiver's CPU and frames for that one step."""
+    pair = Pair(replace(spec, block_nbytes=4 * KIB, num_blocks=n + 8, batch=batch))
+    try:
+        rids = Rids(epoch=2).take(n)
+        tickets = [pair.rx.submit_receive(rid, 1, (0,)) for rid in rids]
+        pair.reset()
+        pair.step(1)
+        assert all(t.future.done() for t in tickets)
+        return {"publications": n, "receiver_cpu_us": round(pair.cpu_ns[1] / 1e3, 1),
+                "cpu_us_per_publication": round(pair.cpu_ns[1] / n / 1e3, 2),
+                "frames": pair.drivers[1].stats["control_sent"]}
+    finally:
+        pair.close()
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -490,6 +566,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              args.progress)
     if "fence" in parts:
         out["fence"] = fence(args.fence_ids, args.seed)
+    if "levers" in parts:
+        out["levers"] = levers(20000 if not args.quick else 2000, spec)
     if "w4" in parts:
         out["w4"] = w4([16, 32, 64, 128, 256], args.w4_mib * (1 << 20), args.w4_sessions, spec, args.progress)
     return out
@@ -505,6 +583,15 @@ def report(r: dict[str, Any]) -> None:
                   f"  receiver {m['receiver_cpu_us']:7.1f} us per session (CPU)  wall {m['wall_us']:7.1f} us  "
                   f"frames {m['control_frames']:.2f} ({m['control_messages']:.2f} msgs)  steps "
                   f"{m['sender_steps']:.1f}/{m['receiver_steps']:.1f}")
+    if "levers" in r:
+        lv = r["levers"]
+        print(f"  levers: HMAC {lv['hmac_new_ns']} -> {lv['hmac_precomputed_ns']} ns; recorder {lv['recorder_old_ns']} -> "
+              f"{lv['recorder_note_ns']} ns; encode {lv['encode_old_ns']} -> {lv['encode_ns']} ns, decode "
+              f"{lv['decode_ns']} ns; 64 messages: 64 frames {lv['encode_64_frames_ns']} ns vs one "
+              f"{lv['encode_64_messages_one_frame_ns']} ns")
+        for mode, b in lv["burst"].items():
+            print(f"    burst of {b['publications']} publications, {mode}: {b['frames']} frames, "
+                  f"{b['cpu_us_per_publication']} us CPU each")
     if "engine_breakdown" in r:
         for side, b in r["engine_breakdown"].items():
             print(f"  {side:8s} breakdown: {b['engine_cpu_us']} us = NIXL calls {b['nixl_cpu_us']} us "
@@ -528,7 +615,8 @@ def report(r: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown bench cost", description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="engine,scale,fence,w4", help="comma list of engine, scale, fence, w4")
+    ap.add_argument("--parts", default="engine,scale,fence,w4,levers",
+                    help="comma list of engine, scale, fence, w4, levers")
     ap.add_argument("--sessions", type=int, default=2000)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)

@@ -51,7 +51,7 @@ def steps(quick: bool) -> list[tuple[str, str, list[str]]]:
         return [("cost", "cost", ["--parts", "engine,scale,fence,w4"]),
                 ("world", "fanin", ["--workloads", "w1,w2,w3"]),
                 ("frozen", "frozen", [])]
-    return [("cost", "cost", ["--parts", "engine,scale,fence,w4", "--levers"]),
+    return [("cost", "cost", ["--parts", "engine,scale,fence,w4,levers", "--levers"]),
             ("world", "world", ["--workloads", "w1,w2"]), ("fanin", "fanin", ["--workloads", "w3"]),
             ("frozen", "frozen", [])]
 
