@@ -425,6 +425,7 @@ def descriptor_point(tokens: int, session_nbytes: int, scattered: bool, sessions
                 "kvown_cpu_us": round(kv_cpu / 1e3, 1), "kvown_cpu_us_per_block": round(kv_cpu / 1e3 / nb, 2),
                 "kvown_wall_us": round(kv_wall / 1e3, 1), "kvown_gbps": round(session_nbytes / kv_wall, 3),
                 "raw_post_to_done_us": round(raw_us, 1), "raw_gbps": round(session_nbytes / (raw_us * 1e3), 3),
+                "kvown_overhead_us": round(kv_cpu / 1e3 - raw_us, 1),
                 "ratio": round((session_nbytes / kv_wall) / (session_nbytes / (raw_us * 1e3)), 3)}
     finally:
         pair.close()
@@ -523,7 +524,12 @@ def levers(n: int, spec: PairSpec) -> dict[str, Any]:
     many = [RequestData(123456789 + i, 1, (i,), 0, 1, -1) for i in range(64)]
     out["encode_64_messages_one_frame_ns"] = _ns_per_call(lambda: codec.encode(0, 1, 5, many), max(1, n // 64))
     out["encode_64_frames_ns"] = _ns_per_call(lambda: [codec.encode(0, 1, 5, [x]) for x in many], max(1, n // 64))
-    out["burst"] = {mode: _burst(256, spec, mode == "batch") for mode in ("batch", "one_frame_per_message")}
+    out["burst"] = {}
+    for mode in ("batch", "one_frame_per_message"):  # the least disturbed of 5 (a shared machine)
+        runs = [_burst(256, spec, mode == "batch") for _ in range(5)]
+        best = min(runs, key=lambda r: r["receiver_cpu_us"])
+        best["cpu_us_per_publication_runs"] = [r["cpu_us_per_publication"] for r in runs]
+        out["burst"][mode] = best
     return out
 
 
@@ -603,10 +609,10 @@ def report(r: dict[str, Any]) -> None:
         print(f"  scale_cost_ratio {r['scale']['scale_cost_ratio']} (target <= 1.5: "
               f"{'met' if r['scale']['met'] else 'NOT met'})")
     if "w4" in r:
-        print("  W4 descriptor sweep: tokens/block blocks descs  kvown CPU us (per block)  kvown/raw GB/s")
+        print("  W4 descriptor sweep: tokens/block blocks descs  kvown CPU us  raw post->DONE us  overhead us")
         for p in r["w4"]["points"]:
-            print(f"    {p['tokens_per_block']:4d} {p['blocks']:5d} {p['descriptors']:5d}  {p['kvown_cpu_us']:9.1f} "
-                  f"({p['kvown_cpu_us_per_block']:6.2f})  {p['kvown_gbps']:.2f}/{p['raw_gbps']:.2f} = {p['ratio']}")
+            print(f"    {p['tokens_per_block']:4d} {p['blocks']:5d} {p['descriptors']:5d}  {p['kvown_cpu_us']:9.1f}  "
+                  f"{p['raw_post_to_done_us']:9.1f}  {p['kvown_overhead_us']:9.1f}")
     if "fence" in r:
         f = r["fence"]
         print(f"  fence {f['ids']} ids: {f['fence_bytes_per_id']} B/id (tracemalloc {f['fence_tracemalloc_bytes_per_id']};"
