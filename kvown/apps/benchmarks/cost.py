@@ -524,6 +524,17 @@ def levers(n: int, spec: PairSpec) -> dict[str, Any]:
     many = [RequestData(123456789 + i, 1, (i,), 0, 1, -1) for i in range(64)]
     out["encode_64_messages_one_frame_ns"] = _ns_per_call(lambda: codec.encode(0, 1, 5, many), max(1, n // 64))
     out["encode_64_frames_ns"] = _ns_per_call(lambda: [codec.encode(0, 1, 5, [x]) for x in many], max(1, n // 64))
+    from concurrent.futures import Future
+    import threading
+
+    from kvown.runtime.commands import ReceiveHandle
+
+    def old_handle() -> tuple:  # a receive handle before: a Future and three threading.Events
+        return (Future(), threading.Event(), threading.Event(), threading.Event())
+
+    out["handle_old_ns"] = _ns_per_call(old_handle, max(1, n // 4))
+    out["handle_ns"] = _ns_per_call(lambda: ReceiveHandle(1, (1,), -1), max(1, n // 4))
+    out["python_calls_per_session"] = python_calls(500, spec)
     out["burst"] = {}
     for mode in ("batch", "one_frame_per_message"):  # the least disturbed of 5 (a shared machine)
         runs = [_burst(256, spec, mode == "batch") for _ in range(5)]
@@ -531,6 +542,38 @@ def levers(n: int, spec: PairSpec) -> dict[str, Any]:
         best["cpu_us_per_publication_runs"] = [r["cpu_us_per_publication"] for r in runs]
         out["burst"][mode] = best
     return out
+
+
+def python_calls(sessions: int, spec: PairSpec) -> dict[str, float]:
+    """Python-visible function calls per session and side inside ``Driver.step`` (cProfile counts): a
+    load-independent measure of the engine's work, for comparisons across runs and machines."""
+    import cProfile
+    import pstats
+
+    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, 8)))
+    profs = [cProfile.Profile(), cProfile.Profile()]
+    on = [False]
+    plain = pair.step
+
+    def step(rank: int) -> bool:
+        if not on[0]:
+            return plain(rank)
+        profs[rank].enable()
+        try:
+            return pair.drivers[rank].step(time.monotonic_ns())
+        finally:
+            profs[rank].disable()
+
+    pair.step = step  # type: ignore[method-assign]
+    try:
+        rids = Rids()
+        pair.run(rids.take(100), 1, 4)
+        on[0] = True
+        pair.run(rids.take(sessions), 1, 4)
+        return {side: round(sum(v[1] for v in pstats.Stats(profs[rank]).stats.values()) / sessions, 1)
+                for rank, side in ((0, "sender"), (1, "receiver"))}
+    finally:
+        pair.close()
 
 
 def _burst(n: int, spec: PairSpec, batch: bool) -> dict[str, Any]:
@@ -595,6 +638,8 @@ def report(r: dict[str, Any]) -> None:
               f"{lv['recorder_note_ns']} ns; encode {lv['encode_old_ns']} -> {lv['encode_ns']} ns, decode "
               f"{lv['decode_ns']} ns; 64 messages: 64 frames {lv['encode_64_frames_ns']} ns vs one "
               f"{lv['encode_64_messages_one_frame_ns']} ns")
+        print(f"    handle {lv['handle_old_ns']} -> {lv['handle_ns']} ns; Python calls per session "
+              f"{lv['python_calls_per_session']}")
         for mode, b in lv["burst"].items():
             print(f"    burst of {b['publications']} publications, {mode}: {b['frames']} frames, "
                   f"{b['cpu_us_per_publication']} us CPU each")

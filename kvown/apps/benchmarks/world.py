@@ -383,6 +383,8 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
             out[f"{key}_to_retired_ns"].append(h.retired_ns - t_decide)
             if cancel and h.landed_ns:
                 out["landed_before_cancel"].append(1)
+            if not cancel and h.landed_ns:
+                out["publish_to_landed_ns"].append(h.landed_ns - h.opened_ns)
             if canary:  # the blocks are FREE: nobody may write them any more
                 spans = [pool[b * block : (b + 1) * block] for b in h.blocks]
                 for span in spans:
@@ -425,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                          "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=900.0)
+    ap.add_argument("--no-carry", action="store_true",
+                    help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
     ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
     ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
@@ -468,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     w2_sizes = sorted({max(block, s // block * block) for s in w2_sizes})
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
-    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s)
+    levers = {"carry_results": False} if args.no_carry else {}
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, **levers)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
                      device=args.device)
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
@@ -486,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     show = args.progress and rank == RX
     result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
                               "heads": heads, "engine_spin_s": config.spin_s,
+                              "carry_results": getattr(config, "carry_results", False),
                               "engine_idle_sleep_s": config.idle_sleep_s,
                               "args": {k: str(v) for k, v in vars(args).items()}}
 
@@ -529,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         w1 = {"throughput": rows}
         if rank == RX:
             w1["release_to_retired"] = pct(rl["release_to_retired_ns"][args.warmup:])
+            w1["publish_to_landed"] = pct(rl["publish_to_landed_ns"][args.warmup:])
             w1["release_to_retired_over_rtt"] = round(w1["release_to_retired"]["p50_us"] / rtt_us, 3)
         result["w1"] = comm.bcast(w1 if rank == RX else None, root=RX)
 
@@ -646,7 +653,8 @@ def report(r: dict[str, Any]) -> None:
             print(f"  {size_name(row['size']):>8} {row['raw_gbps_median']:9.2f} {row['kvown_gbps_median']:10.2f} "
                   f"{row['ratio']:6.2f}  {row.get('dst_runs_per_session', 0):.2f}")
         rl = r["w1"]["release_to_retired"]
-        print(f"  release -> retired p50 {rl['p50_us']} us = {r['w1']['release_to_retired_over_rtt']} x RTT")
+        print(f"  release -> retired p50 {rl['p50_us']} us = {r['w1']['release_to_retired_over_rtt']} x RTT; "
+              f"1 block publish -> landed p50 {r['w1'].get('publish_to_landed', {}).get('p50_us')} us")
     if "w2" in r:
         print("W2 cancel sweep: size rate  kvown cancel->retired p50/p99 us  bound p50/p99  viol kvown/B0")
         for p in r["w2"]["points"]:
