@@ -9,4 +9,6 @@ Modules:
             and B1 (timeout), in one mpirun world per workload, with the RTT and WRITE yardsticks
   frozen    W5: SIGSTOP a writer mid-transfer under load; deadline -> world gone; nothing retired early
   suite     ``kvown bench`` with no name: every workload above, one JSON object with ``metrics``
+  control   NIXL notification RTT vs ZeroMQ, WRITE post -> DONE (two spawned processes)
+  kernels   NVFP4 and checksum kernels vs torch's copy bandwidth
 """

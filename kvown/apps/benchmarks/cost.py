@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="(no plot for this workload; accepted for a uniform CLI)")
+    ap.add_argument("--plot", default=None, help="PNG: lever ratios, scale and W4 bars")
     args = ap.parse_args(argv)
     if args.quick:
         args.sessions, args.reps, args.probe, args.scale_reps = 200, 1, 200, 1
@@ -693,7 +693,48 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     report(result)
     write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
     return 0
+
+
+def plot(r: dict[str, Any], path: str) -> None:
+    """Ratio bars: each lever after / before; scale cost per level; W4 CPU per session by block size."""
+    import numpy as np
+
+    from kvown.apps.benchmarks.common import plot_figure, save
+
+    fig, axes = plot_figure(path, 3, f"kvown bench cost ({r['environment']['date']}, load {r['environment']['loadavg'][0]})")
+    lv = r.get("levers")
+    if lv:
+        pairs = [("HMAC", lv["hmac_new_ns"], lv["hmac_precomputed_ns"]),
+                 ("recorder", lv["recorder_old_ns"], lv["recorder_note_ns"]),
+                 ("encode", lv["encode_old_ns"], lv["encode_ns"]),
+                 ("handle", lv["handle_old_ns"], lv["handle_ns"]),
+                 ("64 msgs", lv["encode_64_frames_ns"], lv["encode_64_messages_one_frame_ns"])]
+        names = [p[0] for p in pairs]
+        axes[0].bar(np.arange(len(pairs)), [p[2] / p[1] for p in pairs], color="tab:green")
+        axes[0].axhline(1.0, color="black", lw=1)
+        axes[0].set_xticks(np.arange(len(pairs)), names, fontsize=8)
+        axes[0].set_ylabel("after / before (per call)")
+        axes[0].set_title("levers")
+    if "scale" in r:
+        pts = r["scale"]["points"]
+        axes[1].bar([f"{p['live']} live\n{p['fences']} fences" for p in pts], [p["cost_us"] for p in pts])
+        axes[1].set_ylabel("us per session, both sides")
+        axes[1].set_title(f"scale: ratio {r['scale']['scale_cost_ratio']} (target 1.5)")
+    if "w4" in r:
+        pts = r["w4"]["points"]
+        for scattered, color in ((False, "tab:blue"), (True, "tab:orange")):
+            sel = [p for p in pts if p["scattered"] is scattered]
+            axes[2].plot([p["tokens_per_block"] for p in sel], [p["kvown_cpu_us"] for p in sel], "o-", color=color,
+                         label="scattered (1 descriptor / block)" if scattered else "contiguous (1 descriptor)")
+        axes[2].set_xscale("log", base=2)
+        axes[2].set_xlabel("tokens per block")
+        axes[2].set_ylabel("kvown CPU us per session")
+        axes[2].set_title("W4 descriptor sweep")
+        axes[2].legend(fontsize=7)
+    save(fig, path)
 
 
 if __name__ == "__main__":

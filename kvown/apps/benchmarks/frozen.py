@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
     ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="(no plot for this workload)")
+    ap.add_argument("--plot", default=None, help="PNG: deadline -> world gone per run")
     args = ap.parse_args(argv)
     if args.rank_program:
         return rank_program(args)
@@ -242,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"W5: median {result['w5_failstop_s']} s over {len(ok)}/{len(runs)} runs; "
           f"no stuck block retired: {not result['retired_before_abort']}")
     write_json(args.json, result)
+    if args.plot:
+        from kvown.apps.benchmarks.common import plot_figure, save
+
+        fig, axes = plot_figure(args.plot, 1, "W5 frozen writer: deadline -> world gone")
+        axes[0].bar([f"run {i + 1}" for i in range(len(runs))], [r.get("deadline_to_world_gone_s") or 0 for r in runs],
+                    color=["tab:red" if r.get("retired_before_abort") else "tab:green" for r in runs])
+        axes[0].set_ylabel("s after the fail-stop deadline")
+        save(fig, args.plot)
     return 0 if ok and not result["retired_before_abort"] else 1
 
 
