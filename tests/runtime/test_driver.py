@@ -178,3 +178,24 @@ def test_next_deadline_and_check_fatal_are_pure() -> None:
         core.check_fatal(p.now + 10**9)
         p.drivers[RX].check_fatal(p.now)
     assert (list(core._deadlines), set(core._queued), dict(core.sessions)) == before
+
+
+@pytest.mark.timeout(30)
+def test_a_write_that_never_completes_holds_back_no_other_session() -> None:
+    """Carried reports are outside the ordered streams: session 1's WRITE never reports DONE (so its report
+    never leaves), yet session 2's publication, WRITE and report go through, and session 1 stays held."""
+    p = Pair(timeout_ns=100_000, grace_ns=100_000)
+    p.fabric.inject_write(WriteFault(src="r0", delay_polls=10**9))  # the first WRITE: in flight forever
+    rid1 = make_request_id(1, 20)
+    t1 = p.rx.submit_receive(rid1, 2, (TX,))
+    p.run(t1.future.done, steps=5)
+    h1 = t1.future.result(0)
+    p.tx.send(rid1, (0, 1))
+    p.run(steps=20)
+    rid2, h2, s2 = p.transfer(21)
+    assert h2.landed.is_set() and h2.outcome.result(0) is Outcome.COMPLETED
+    p.rx.release(rid2)
+    p.run(lambda: h2.retired.is_set() and s2.released.is_set())
+    assert h2.retired.is_set() and s2.released.is_set()
+    assert not h1.landed.is_set() and not h1.retired.is_set()  # no report, no retirement: still claimed
+    assert p.drivers[TX].statistics()["writes_in_flight"] == 1 and not p.fatal
