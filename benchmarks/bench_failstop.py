@@ -84,7 +84,7 @@ def bench(ranks: int, runs: int, workdir: Path) -> dict[str, object]:
 
 def bench_hosts(args: argparse.Namespace) -> dict[str, object]:
     """deadline -> world gone across hosts, against the same world on this host (baseline), interleaved."""
-    from kvown import qualify
+    from kvown.apps import qualify
 
     hosts = None
     if args.test_hosts:

@@ -13,8 +13,11 @@
 #                          (CUDA) and tests/kernels (host build of the kernel math, PTX, CPU reference)
 #   4. vram-write          pytest tests/gpu/test_vram.py -k vram_write   (VRAM -> VRAM WRITE smoke test)
 #   5. event-gating        pytest tests/gpu/test_vram.py -k event_gating (WRITE posted only after the event)
-#   6. qualify             kvown qualify --layout nvfp4 --device cuda
-#   7. bench-kernels       kvown bench kernels (ratios to torch's device-to-device copy)
+#   6. qualify             kvown qualify --layout nvfp4 --device cuda (two processes on one GPU:
+#                          VRAM -> VRAM WRITEs through UCX's CUDA transports)
+#   7. demo-nvfp4          kvown demo --dtype nvfp4 --scale-layout separate --device cuda (2 ranks):
+#                          quantise on the GPU, WRITE gated by CUDA events, checksum + dequantise
+#   8. bench-kernels       kvown bench kernels (ratios to torch's device-to-device copy)
 # Outputs (at most 8 files come back from a device run): gpu_check.log (everything printed),
 # summary.json (per-step status, seconds, environment), doctor.json, junit-gpu.xml, qualify.json,
 # bench-kernels.json.
@@ -92,6 +95,8 @@ else
     skip event-gating "tests/gpu/test_vram.py is not in this checkout"
 fi
 step qualify 150 "$PY" -m kvown qualify --layout nvfp4 --device cuda --json "$OUT/qualify.json" --timeout-s 140
+step demo-nvfp4 120 "$PY" -m kvown demo --dtype nvfp4 --scale-layout separate --device cuda --ranks 2 \
+    --requests 300 --deadline-s 100
 step bench-kernels 90 "$PY" -m kvown bench kernels --json "$OUT/bench-kernels.json" --timeout-s 85
 
 "$PY" - "$OUT/summary.json" "${STEPS[@]}" <<'EOF'

@@ -2,11 +2,14 @@
 
 Owns: argument checking and dispatch. A CUDA tensor goes to the CUDA kernel (kv_kernels.cu, launched
 through CuPy on torch's current stream, memory shared by DLPack, no copies); a CPU tensor goes to the
-torch reference (kernels/nvfp4.py, kernels/blocks.py), which defines the bits both must give.
+torch reference (kernels/nvfp4.py, kernels/blocks.py), which defines the bits both must give -- or, for
+NVFP4 quantise / dequantise, to the host build of the kernel's own math (kernels/host, built by
+setup.py; tests/kernels/test_host_math.py holds it to the reference bit for bit), which is ~100x faster.
 
-``backend``: ``"auto"`` (default) picks the kernel for CUDA tensors when CuPy is importable and the
-reference otherwise (the reference also runs on CUDA tensors, slowly); ``"cuda"`` insists on the
-kernel; ``"torch"`` insists on the reference (tests and benchmarks compare the two).
+``backend``: ``"auto"`` (default) picks the kernel for CUDA tensors when CuPy is importable, the host
+build for CPU tensors when it is built, and the reference otherwise (the reference also runs on CUDA
+tensors, slowly); ``"cuda"`` insists on the kernel, ``"host"`` on the host build; ``"torch"`` insists on
+the reference (tests and benchmarks compare them).
 
 Rules:
   1. Every argument is checked before anything is written; a malformed one raises
@@ -48,8 +51,29 @@ def cupy_available() -> bool:
     return True
 
 
+@functools.cache
+def _host_build() -> Any:
+    """The host build of the kernel math (kernels._kv_host), or None where it is not built."""
+    try:
+        from kernels import _kv_host  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _kv_host
+
+
+def _use_host(tensor: torch.Tensor, backend: str) -> Any:
+    """The host build to run a CPU ``tensor`` on, or None for the torch reference."""
+    if backend == "host":
+        if tensor.is_cuda:
+            raise KernelInputError("backend 'host' needs CPU tensors", field="backend", device=str(tensor.device))
+        if _host_build() is None:
+            raise KernelInputError("backend 'host' needs the host build: run `make setup`", field="backend")
+        return _host_build()
+    return _host_build() if backend == "auto" and not tensor.is_cuda else None
+
+
 def _use_cuda(tensor: torch.Tensor, backend: str) -> bool:
-    if backend == "torch":
+    if backend in ("torch", "host"):
         return False
     if backend == "cuda":
         if not tensor.is_cuda:
@@ -59,7 +83,7 @@ def _use_cuda(tensor: torch.Tensor, backend: str) -> bool:
         cuda_loader.cupy_module()  # ModuleNotFoundError with the install hint
         return True
     if backend != "auto":
-        raise KernelInputError("backend must be 'auto', 'cuda' or 'torch'", field="backend", value=backend)
+        raise KernelInputError("backend must be 'auto', 'cuda', 'host' or 'torch'", field="backend", value=backend)
     return tensor.is_cuda and cupy_available()
 
 
@@ -162,7 +186,11 @@ def quantize(
         _same_device(x, values, "out_values")
         _same_device(x, scales, "out_scales")
     if not _use_cuda(x, backend):
-        q = nvfp4.quantize(x, global_scale, rope_dim=rope_dim, rope_global_scale=rope_global_scale)
+        host = _use_host(x, backend)
+        if host is None:
+            q = nvfp4.quantize(x, global_scale, rope_dim=rope_dim, rope_global_scale=rope_global_scale)
+        else:
+            q = _host_quantize(host, x, global_scale, rope_dim, rope_global_scale)
         if out is None:
             return q
         values.copy_(q.values)
@@ -229,7 +257,8 @@ def dequantize(q: NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str 
                 "the last dimension must be contiguous", field=name, stride=tuple(part.stride())
             )
     if not _use_cuda(q.values, backend):
-        result = nvfp4.dequantize(q)
+        host = _use_host(q.values, backend)
+        result = nvfp4.dequantize(q) if host is None else _host_dequantize(host, q)
         return result if out is None else out.copy_(result)
     if out is None:
         out = torch.empty((*lead, n), dtype=torch.float32, device=q.values.device)
@@ -256,6 +285,35 @@ def dequantize(q: NVFP4Tensor, *, out: torch.Tensor | None = None, backend: str 
                 *(np.int64(s) for s in (*vs, *ss, *os_)),
             ),
         )
+    return out
+
+
+def _host_quantize(
+    host: Any, x: torch.Tensor, global_scale: float | None, rope_dim: int, rope_global_scale: float | None
+) -> NVFP4Tensor:
+    """The host build's quantisation into fresh tensors (so a non-finite value changes no ``out``)."""
+    gs, rope_gs = nvfp4.resolve_scales(x, global_scale, rope_dim, rope_global_scale)
+    n = x.shape[-1]
+    rows = x.numel() // n
+    values = torch.empty((*x.shape[:-1], n // 2), dtype=torch.uint8)
+    scales = torch.empty((*x.shape[:-1], n // GROUP_SIZE), dtype=torch.uint8)
+    code = _DTYPE_CODES[x.dtype]
+    data = x.contiguous()
+    data = data.view(torch.int16) if code else data
+    bad = host.quantize(data.numpy(), code, rows, n, gs, rope_gs or gs, (n - rope_dim) // GROUP_SIZE,
+                        values.numpy(), scales.numpy())
+    if bad:
+        raise KernelInputError("cannot quantise non-finite values", field="x")
+    return NVFP4Tensor(values, scales, gs, rope_dim, rope_gs)
+
+
+def _host_dequantize(host: Any, q: NVFP4Tensor) -> torch.Tensor:
+    n = q.n
+    rows = q.values.numel() // q.values.shape[-1]
+    out = torch.empty((*q.values.shape[:-1], n), dtype=torch.float32)
+    gs, rope_gs = q.group_scales()
+    host.dequantize(q.values.contiguous().numpy(), q.scales.contiguous().numpy(), rows, n, gs, rope_gs,
+                    (n - q.rope_dim) // GROUP_SIZE, out.numpy())
     return out
 
 

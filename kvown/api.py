@@ -30,7 +30,7 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvown.adapters.transport import Role
@@ -73,6 +73,24 @@ def _positive_int(value: Any, field: str, *, at_most: int | None = None) -> int:
     return value
 
 
+def _block_ids(blocks: Any, num_blocks: int, field: str) -> tuple[int, ...]:
+    try:
+        out = tuple(blocks)
+    except TypeError:
+        raise LocalProtocolError(f"{field} must be a sequence of block ids", field=field) from None
+    if not out:
+        raise LocalProtocolError(f"{field} must not be empty", field=field)
+    bad = [b for b in out if type(b) is not int or not 0 <= b < num_blocks]
+    if bad:
+        raise LocalProtocolError("block id out of range", field=field, blocks=bad[:4], num_blocks=num_blocks)
+    return out
+
+
+def _check_callback(on_done: Any) -> None:
+    if on_done is not None and not callable(on_done):
+        raise LocalProtocolError("on_done must be callable", field="on_done", value=type(on_done).__name__)
+
+
 def _token(token: Any, field: str) -> Any:
     if not callable(getattr(token, "query", None)):
         raise LocalProtocolError("a ready token needs a query() method (e.g. WriteTracker.record())",
@@ -97,19 +115,21 @@ class Sender:
         num_pieces: int = 1,
         num_receivers: int = 1,
         aux: bytes | None = None,
+        on_done: Callable[[SendHandle], None] | None = None,
     ) -> SendHandle:
         """Open a send session: write ``src_blocks`` to whoever publishes ``request_id``.
 
         ``ready`` is the write-ready token (``WriteTracker.record()``) of the KV write, one per piece or
         one for all; no WRITE is posted before it reports ready. Generation-first (the receiver
         published already) and context-first (it publishes later) both work.
-        Ownership: ``src_blocks`` must not be reused until ``handle.released`` is set.
+        Ownership: ``src_blocks`` must not be reused until ``handle.released`` is set; ``on_done(handle)``
+        is then called once, on the engine thread (quick, thread-safe, must not raise: a server's
+        allocator hand-back).
         After error: nothing was queued (rules 3 and 4).
         """
         engine = self._engine
         _check_rid(request_id)
-        layout = engine.pool.layout
-        blocks = self._blocks(src_blocks, layout.num_blocks)
+        blocks = _block_ids(src_blocks, engine.pool.num_blocks, "src_blocks")
         _positive_int(num_pieces, "num_pieces", at_most=len(blocks))
         _positive_int(num_receivers, "num_receivers", at_most=len(engine.driver.transport.peers))
         if ready is None or not isinstance(ready, (list, tuple)):
@@ -126,25 +146,12 @@ class Sender:
                 raise LocalProtocolError("aux payload larger than an aux slot", field="aux", nbytes=len(aux),
                                          max_nbytes=engine.driver.config.aux_slot_nbytes)
             aux = bytes(aux)
+        _check_callback(on_done)
         _check_open(engine, request_id)
-        handle = SendHandle(request_id)
+        handle = SendHandle(request_id, on_done=on_done)
         engine.live.claim(Role.SENDER, request_id, handle)
         engine.submit(Send(request_id, blocks, tuple(tokens), num_receivers, aux, handle))
         return handle
-
-    @staticmethod
-    def _blocks(src_blocks: Any, num_blocks: int) -> tuple[int, ...]:
-        try:
-            blocks = tuple(src_blocks)
-        except TypeError:
-            raise LocalProtocolError("src_blocks must be a sequence of block ids", field="src_blocks") from None
-        if not blocks:
-            raise LocalProtocolError("src_blocks must not be empty", field="src_blocks")
-        bad = [b for b in blocks if type(b) is not int or not 0 <= b < num_blocks]
-        if bad:
-            raise LocalProtocolError("source block id out of range", field="src_blocks", blocks=bad[:4],
-                                     num_blocks=num_blocks)
-        return blocks
 
     def cancel(self, request_id: int) -> None:
         """Abort on the prefill side: fence the id, refuse unposted writes, let posted ones drain."""
@@ -162,12 +169,14 @@ class Receiver:
     def receive(
         self,
         request_id: int,
-        num_blocks: int,
+        num_blocks: int | None,
         writers: Sequence[int],
         *,
         num_slices: int = 1,
         aux: bool = False,
         timeout_s: float = 10.0,
+        blocks: Sequence[int] | None = None,
+        on_done: Callable[[ReceiveHandle], None] | None = None,
     ) -> ReceiveHandle:
         """Allocate destination blocks and publish them to ``writers``.
 
@@ -176,10 +185,14 @@ class Receiver:
         the pool has too few free blocks (nothing changed: retry later), ``AdmissionError`` when the
         rank refuses new sessions, and ``TimeoutError`` when the engine did not take the command within
         ``timeout_s`` (it was withdrawn: nothing was allocated or published).
-        Ownership: ``handle.blocks`` belong to kvown until ``handle.retired`` is set.
+        Bring-your-own memory (``kvown.cache.lent``): pass ``blocks=`` (the server's own block ids, lent
+        to kvown) and ``num_blocks=None``; they go back through ``on_done`` / the ledger's
+        ``on_returned`` at retirement, never earlier.
+        Ownership: ``handle.blocks`` belong to kvown until ``handle.retired`` is set; ``on_done(handle)``
+        is then called once on the engine thread (quick, thread-safe, must not raise).
         """
         ticket = self.submit_receive(request_id, num_blocks, writers, num_slices=num_slices, aux=aux,
-                                     timeout_s=timeout_s)  # validates timeout_s too
+                                     timeout_s=timeout_s, blocks=blocks, on_done=on_done)  # validates all
         try:
             handle = ticket.future.result(timeout_s)
         except TimeoutError:
@@ -191,8 +204,9 @@ class Receiver:
         return handle
 
     def submit_receive(
-        self, request_id: int, num_blocks: int, writers: Sequence[int], *, num_slices: int = 1, aux: bool = False,
-        timeout_s: float = 10.0,
+        self, request_id: int, num_blocks: int | None, writers: Sequence[int], *, num_slices: int = 1,
+        aux: bool = False, timeout_s: float = 10.0, blocks: Sequence[int] | None = None,
+        on_done: Callable[[ReceiveHandle], None] | None = None,
     ) -> Ticket:
         """``receive`` without the wait: validate, queue, and return the ticket whose ``future`` resolves
         to the handle (or ``PoolExhausted`` / ``LocalProtocolError``). For event-loop servers and the
@@ -200,13 +214,26 @@ class Receiver:
         """
         engine = self._engine
         _check_rid(request_id)
-        _positive_int(num_blocks, "num_blocks", at_most=engine.pool.layout.num_blocks)
+        lent: tuple[int, ...] = ()
+        if hasattr(engine.pool, "lend"):  # the server's own memory: it names the blocks it lends
+            if num_blocks is not None or blocks is None:
+                raise LocalProtocolError("this rank's KV memory belongs to the server: pass blocks= and "
+                                         "num_blocks=None", field="blocks")
+            lent = _block_ids(blocks, engine.pool.num_blocks, "blocks")
+            if len(set(lent)) != len(lent):
+                raise LocalProtocolError("blocks must be distinct", field="blocks")
+            num_blocks = len(lent)
+        elif blocks is not None:
+            raise LocalProtocolError("kvown allocates from its own pool here: pass num_blocks, not blocks",
+                                     field="blocks")
+        _positive_int(num_blocks, "num_blocks", at_most=engine.pool.num_blocks)
+        _check_callback(on_done)
         writers = self._writers(writers)
         _positive_int(num_slices, "num_slices", at_most=len(writers))
         if len(writers) % num_slices:
             raise LocalProtocolError("num_slices must divide the number of writers", field="num_slices",
                                      num_slices=num_slices, writers=len(writers))
-        heads = engine.pool.layout.num_kv_heads
+        heads = engine.pool.heads()
         if heads % num_slices:
             raise LocalProtocolError("num_slices must divide the KV heads", field="num_slices",
                                      num_slices=num_slices, num_kv_heads=heads)
@@ -219,7 +246,7 @@ class Receiver:
         _check_open(engine, request_id)
         ticket = Ticket()
         engine.live.claim(Role.RECEIVER, request_id, ticket)
-        engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket))
+        engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket, lent, on_done))
         return ticket
 
     def _writers(self, writers: Any) -> tuple[int, ...]:

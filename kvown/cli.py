@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "qualify": ("kvown.apps.qualify:main", "qualify a deployment: scenarios, UCX transports, fail-stop"),
     "doctor": ("kvown.apps.doctor:main", "print what this machine offers, one line per part"),
     "inspect": ("kvown.apps.inspect:inspect_main", "read a flight-recorder dump"),
+    "serve": ("kvown.apps.serve.cli:main", "reference disaggregated server: prefill|decode|single|router|local"),
 }
 
 

@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import sys
@@ -36,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn
 
+import msgpack
 import torch
 
 from kvown.adapters.mpi import QualifiedWorld
@@ -43,10 +45,12 @@ from kvown.adapters.nixl import NixlEndpoint
 from kvown.adapters.rendezvous import job_key_from_env
 from kvown.adapters.transport import KVTransport, PeerInfo, Role
 from kvown.cache.layout import KVLayout
+from kvown.cache.lent import LentBlocks
 from kvown.cache.pool import KVPool
+from kvown.cache.space import BlockSpace
 from kvown.core.actions import FailStop, FatalReason
-from kvown.core.errors import ConfigError, KvownError
-from kvown.core.messages import check_key
+from kvown.core.errors import AdapterError, ConfigError, KvownError, PeerProtocolError
+from kvown.core.messages import MAX_RANK, check_key
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.crashguard import grace_from_env
 from kvown.runtime.driver import Driver
@@ -73,24 +77,39 @@ class LocalRank:
     """What one rank builds before it talks to anyone (rule 3's first step)."""
 
     rank: int
-    layout: KVLayout
     config: TransferConfig
     roles: frozenset[Role]
-    pool: KVPool
+    pool: KVPool | LentBlocks
     aux: torch.Tensor
     transport: KVTransport
     stats_source: Any = None  # what the metrics server reads; the engine, once built
     metrics_server: Any = None
 
     @classmethod
-    def build(cls, rank: int, layout: KVLayout, config: TransferConfig, roles: frozenset[Role], device: str,
-              job: str) -> LocalRank:
-        pool = KVPool(layout, device=device)
+    def build(cls, rank: int, config: TransferConfig, roles: frozenset[Role], *, job: str,
+              layout: KVLayout | None = None, device: str = "cpu", memory: BlockSpace | None = None,
+              on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
+              defer_unknown: bool = False) -> LocalRank:
+        """kvown's own pool of ``layout`` on ``device``, or the server's own ``memory`` (bring your own:
+        kvown keeps only ownership state and descriptors; lent blocks go back through ``on_returned``)."""
+        pool: KVPool | LentBlocks
+        if (layout is None) == (memory is None):
+            raise ConfigError("give either layout= (kvown's own pool) or memory= (the server's)", field="memory")
+        if memory is not None:
+            if config.canary:
+                raise ConfigError("canaries need kvown's own pool: retired blocks of server memory are the "
+                                  "server's at once", field="canary")
+            pool = LentBlocks(memory, on_returned or (lambda owner, blocks: None))
+            digest = memory.shape_digest()
+        else:
+            assert layout is not None
+            pool = KVPool(layout, device=device)
+            digest = layout.geometry_digest()
         aux = torch.zeros(config.aux_slots * config.aux_slot_nbytes, dtype=torch.uint8)
         endpoint = NixlEndpoint(f"kvown-{job}-r{rank}", progress_thread=config.progress_thread)
         transport = KVTransport(endpoint, rank, pool.space(), aux, aux_slot_nbytes=config.aux_slot_nbytes,
-                                roles=roles, geometry_digest=layout.geometry_digest())
-        return cls(rank, layout, config, roles, pool, aux, transport)
+                                roles=roles, geometry_digest=digest, defer_unknown=defer_unknown)
+        return cls(rank, config, roles, pool, aux, transport)
 
     def bind_metrics(self) -> None:
         """Bind the Prometheus port now (a busy port is a start-up failure, rule 3)."""
@@ -129,6 +148,7 @@ class RankRuntime:
     exit_comm: Any = None  # a private duplicate of the world's communicator for the exit barrier
     closed: bool = False
     _api: dict[str, Any] = field(default_factory=dict)
+    _stops: list[Callable[[], None]] = field(default_factory=list)  # what ``close`` also shuts down
 
     @property
     def sender(self):  # noqa: ANN201
@@ -141,6 +161,14 @@ class RankRuntime:
         from kvown.api import Receiver
 
         return self._api.setdefault("receiver", Receiver(self.engine))
+
+    def add_peers(self, peers: dict[int, PeerInfo], timeout_s: float = 10.0) -> None:
+        """Load ranks that joined after start-up (worlds whose members come and go: the registry).
+
+        Called: any thread but the engine's. After error: ``PeerProtocolError`` naming the field of an
+        incompatible peer (nothing of it was loaded).
+        """
+        self.engine.call(lambda driver: driver.transport.connect(peers), timeout_s)
 
     def inject_fault(self, plan: str) -> None:
         """Tests: replace this rank's fault plan (needs ``TransferConfig(fault=...)``)."""
@@ -186,6 +214,8 @@ class RankRuntime:
         if self.closed:
             return
         self.closed = True
+        for stop in self._stops:  # registry watchers and leases, metrics server
+            stop()
         self.watchdog.stop()
         self.engine.stop(timeout_s)
         try:
@@ -247,7 +277,7 @@ class RankRuntime:
         def crash_world(kind: type[BaseException], value: BaseException, tb: Any) -> None:
             previous(kind, value, tb)
             if not self.closed:  # a fail-stop the engine latched first is the cause: report that one
-                self.executor.request(self.driver.fatal or FailStop(
+                self.executor.request(self.executor.requested or self.driver.fatal or FailStop(
                     FatalReason.RANK_CRASH, None, f"uncaught exception in rank {self.rank}'s main thread: {value!r}"))
 
         sys.excepthook = crash_world
@@ -271,7 +301,10 @@ def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: Qual
     engine = Engine(driver, fail_stop=executor.request)
     watchdog = RetirementWatchdog(driver, lock, executor)
     local.stats_source = engine
-    return RankRuntime(local.rank, driver, engine, watchdog, executor, world)
+    rt = RankRuntime(local.rank, driver, engine, watchdog, executor, world)
+    if local.metrics_server is not None:
+        rt._stops.append(local.metrics_server.shutdown)
+    return rt
 
 
 def _launch(rt: RankRuntime) -> RankRuntime:
@@ -293,13 +326,19 @@ def _verdict(comm: Any, rank: int, step: str, error: BaseException | None) -> No
 def connect_mpi(
     comm: Any = None,
     *,
-    layout: KVLayout,
+    layout: KVLayout | None = None,
     config: TransferConfig | None = None,
     roles: Any = frozenset({"sender", "receiver"}),
     device: str = "cpu",
     qualify: bool = True,
+    memory: BlockSpace | None = None,
+    on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
 ) -> RankRuntime:
     """Build and start this rank's runtime in an MPI world. Collective: every rank calls it.
+
+    ``layout=``: kvown allocates and owns a pool of that geometry on ``device``. ``memory=``: the KV
+    memory is the server's own (a ``BlockSpace`` over its tensors); kvown keeps only ownership state,
+    and lent blocks go back through ``on_returned(request_id, blocks)`` at retirement.
 
     Called: once per process, main thread, after ``from mpi4py import MPI``.
     After error: ``ConfigError`` on every rank, naming the failing rank and step (rule 3); nothing
@@ -318,7 +357,8 @@ def connect_mpi(
     local: LocalRank | None = None
     error: BaseException | None = None
     try:
-        local = LocalRank.build(rank, layout, config, _roles(roles), device, job)
+        local = LocalRank.build(rank, config, _roles(roles), job=job, layout=layout, device=device, memory=memory,
+                                on_returned=on_returned)
         local.bind_metrics()
     except Exception as exc:  # noqa: BLE001 - reported to every rank (rule 3)
         error = exc
@@ -350,19 +390,22 @@ def connect_rendezvous(
     *,
     rank: int,
     world_ranks: tuple[int, ...],
-    layout: KVLayout,
+    layout: KVLayout | None = None,
     config: TransferConfig | None = None,
     roles: Any = frozenset({"sender", "receiver"}),
     device: str = "cpu",
     world: QualifiedWorld | None = None,
     job: str = "rv",
     timeout_s: float = 30.0,
+    memory: BlockSpace | None = None,
+    on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
 ) -> RankRuntime:
-    """Join separately launched worlds through a rendezvous server (key from ``KVOWN_JOB_KEY``).
+    """Join separately launched worlds through kvown's small rendezvous server (key from
+    ``KVOWN_JOB_KEY``): the fallback where no etcd runs. ``connect_registry`` is the preferred way.
 
     ``world`` is this process's own qualified MPI world (its fail-stop route), or None.
-    After error: ``ConfigError`` / ``PeerProtocolError`` naming the field; ``TimeoutError``-like
-    ``AdapterError`` when a peer never published.
+    After error: ``ConfigError`` / ``PeerProtocolError`` naming the field; ``AdapterError`` when a peer
+    never published.
     """
     import msgpack
 
@@ -370,7 +413,8 @@ def connect_rendezvous(
 
     config = config or TransferConfig()
     key = job_key_from_env()  # KVOWN_JOB_KEY, hex; a missing or short key is a ConfigError
-    local = LocalRank.build(rank, layout, config, _roles(roles), device, job)
+    local = LocalRank.build(rank, config, _roles(roles), job=job, layout=layout, device=device, memory=memory,
+                            on_returned=on_returned)
     local.bind_metrics()
     rendezvous.publish(address, f"rank{rank}", msgpack.packb(local.transport.info.to_wire()), key)
     peers = {}
@@ -383,4 +427,79 @@ def connect_rendezvous(
     return _launch(rt)
 
 
-__all__ = ["LocalRank", "RankRuntime", "connect_mpi", "connect_rendezvous"]
+def connect_registry(
+    endpoint: str,
+    *,
+    job: str,
+    rank: int,
+    layout: KVLayout | None = None,
+    memory: BlockSpace | None = None,
+    on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
+    config: TransferConfig | None = None,
+    roles: Any = frozenset({"sender", "receiver"}),
+    device: str = "cpu",
+    world: QualifiedWorld | None = None,
+    ttl_s: int = 5,
+    wait_for: tuple[int, ...] = (),
+    timeout_s: float = 30.0,
+) -> RankRuntime:
+    """Join a world whose members are launched apart and come and go, through etcd at ``endpoint``.
+
+    This rank's record (``PeerInfo``: agent, metadata, block regions, roles) is published under
+    ``kvown/<job>/peers/<rank>`` with a lease of ``ttl_s`` that a thread keeps alive; a watcher loads
+    every compatible rank that appears (before or after us). Frames from a rank that published to us
+    before our watcher loaded it wait, bounded, until it is loaded. A lease that expires proves only
+    that the rank stopped renewing it - never that its WRITEs stopped (docs/embedding.md): its claims
+    are still settled by its own evidence, or by this rank's fail-stop at the deadline. ``wait_for``:
+    ranks that must be loaded before this returns (bounded by ``timeout_s``).
+    Called: once per process, main thread. The job key comes from ``KVOWN_JOB_KEY`` (hex).
+    After error: ``ConfigError`` / ``AdapterError`` (etcd unreachable, a ``wait_for`` rank missing).
+    """
+    from kvown.adapters.registry import LeasedKey, PrefixWatcher
+
+    config = config or TransferConfig()
+    key = job_key_from_env()
+    if type(rank) is not int or not 0 <= rank <= MAX_RANK:
+        raise ConfigError("rank out of range", field="rank", value=rank)
+    prefix = f"kvown/{job}/peers/"
+    local = LocalRank.build(rank, config, _roles(roles), job=job, layout=layout, device=device, memory=memory,
+                            on_returned=on_returned, defer_unknown=True)
+    local.bind_metrics()
+    rt = _launch(_start(local, {}, check_key(key), world))
+    rt._install_exit_hooks(excepthook=world is not None)
+    loaded = threading.Event()
+
+    def load(info: PeerInfo) -> None:  # watcher thread: never raise into it (it would re-snapshot forever)
+        try:
+            rt.add_peers({info.rank: info})
+        except KvownError as exc:
+            rt.driver.recorder.record("peer_refused", None, peer=info.rank, error=str(exc))
+        if all(r in rt.driver.transport.peers for r in wait_for):
+            loaded.set()
+
+    def parse(name: str, raw: bytes) -> PeerInfo:
+        info = PeerInfo.from_blob(raw)
+        if str(info.rank) != name:
+            raise PeerProtocolError("peer record names another rank than its key", field="rank", key=name)
+        return info
+
+    watcher = PrefixWatcher(endpoint, prefix, parse=parse,
+                            on_put=lambda info: info.rank == rank or load(info))
+    lease = LeasedKey(endpoint, f"{prefix}{rank}", msgpack.packb(local.transport.info.to_wire()), ttl_s=ttl_s)
+    try:
+        lease.start()
+        watcher.start(timeout_s=timeout_s)
+        if wait_for and not all(r in rt.driver.transport.peers for r in wait_for) and not loaded.wait(timeout_s):
+            missing = sorted(set(wait_for) - set(rt.driver.transport.peers))
+            raise AdapterError("ranks did not join in time", field="wait_for", missing=missing, timeout_s=timeout_s)
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # never started: nothing to stop
+            watcher.stop()
+        lease.close()
+        rt.close()
+        raise
+    rt._stops += [watcher.stop, lease.close]
+    return rt
+
+
+__all__ = ["LocalRank", "RankRuntime", "connect_mpi", "connect_registry", "connect_rendezvous"]

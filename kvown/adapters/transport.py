@@ -15,7 +15,10 @@ Rules:
      block id out of range is ``NotPosted`` (our checks refused it before NIXL saw it).
   3. ``send`` raising ``AdapterError`` means *delivery unknown*: NIXL may or may not have sent it.
   4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; a frame from an agent that is not
-     a known peer comes back with rank ``None`` (the driver counts and drops it).
+     a known peer comes back with rank ``None`` (the driver counts and drops it) - unless the
+     transport was built for a world whose members join over time (``defer_unknown``, the registry
+     connect): then up to ``MAX_DEFERRED`` such frames wait, and are handed over in arrival order once
+     ``connect`` adds their agent (a peer may publish to us before our watcher has loaded it).
   5. Called from one thread only (the engine thread), like the endpoint below it.
 
 Invariants:
@@ -25,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,6 +51,7 @@ from kvown.core.messages import (
 
 
 MAX_METADATA_NBYTES = 1 << 20  # NIXL metadata is ~0.5 KiB plus a few dozen bytes per registration
+MAX_DEFERRED = 4096  # frames from not-yet-connected agents kept in a world whose members join over time
 
 
 class Role(enum.Enum):
@@ -132,10 +137,10 @@ class PeerInfo:
 def check_peer(local: PeerInfo, peer: PeerInfo) -> None:
     """Refuse a peer we cannot safely exchange KV with, naming the field (version, capabilities,
     geometry, block-space shape, aux slot size). Called: at start-up, once per peer."""
-    check_hello(local.hello(), peer.hello())
-    if peer.space.shape_digest() != local.space.shape_digest():
+    if peer.space.shape_digest() != local.space.shape_digest():  # first: it can say what differs
         raise PeerProtocolError("peer's KV block regions differ", field="space", peer_rank=peer.rank,
                                 got=peer.space.describe(), want=local.space.describe())
+    check_hello(local.hello(), peer.hello())
     if peer.aux_slot_nbytes != local.aux_slot_nbytes:
         raise PeerProtocolError("peer's aux slot size differs", field="aux_slot_nbytes", peer_rank=peer.rank,
                                 got=peer.aux_slot_nbytes, want=local.aux_slot_nbytes)
@@ -185,7 +190,7 @@ class KVTransport:
     """``Transport`` over one ``NixlEndpoint`` (real NIXL, or the fake library in ``kvown.testing``)."""
 
     def __init__(self, endpoint: NixlEndpoint, rank: int, space: BlockSpace, aux: Any, *, aux_slot_nbytes: int,
-                 roles: frozenset[Role], geometry_digest: str) -> None:
+                 roles: frozenset[Role], geometry_digest: str, defer_unknown: bool = False) -> None:
         """Register ``space`` and the aux tensor ``aux`` with ``endpoint``.
 
         Called: once per rank at start-up, on the thread that will own the endpoint.
@@ -208,18 +213,24 @@ class KVTransport:
         self._rank_of: dict[str, int] = {}
         self._local_prep: Any = None
         self._remote_prep: dict[int, Any] = {}
+        self._defer_unknown = defer_unknown
+        self._deferred: collections.deque[tuple[str, bytes]] = collections.deque(maxlen=MAX_DEFERRED)
+        self.deferred_dropped = 0  # frames from agents that never joined, pushed out of the bounded wait
 
     def connect(self, peers: dict[int, PeerInfo]) -> None:
-        """Check and load every peer, and prep the block descriptor lists (ours and theirs).
+        """Check and load peers, and prep the block descriptor lists (ours once, one per peer).
 
-        Called: once at start-up, after the peer records were exchanged, owner thread.
+        Called: at start-up with every peer, or later with ones that joined (a world whose members
+        join over time), owner thread. A peer already loaded is skipped.
         After error: ``PeerProtocolError`` naming the field of the first incompatible peer (nothing
         was loaded), or ``AdapterError`` from NIXL.
         """
+        peers = {r: p for r, p in peers.items() if r not in self.peers and r != self.rank}
         for peer in peers.values():
             check_peer(self.info, peer)
-        addrs, sizes = self.space.descriptors()
-        self._local_prep = self.endpoint.prep_descs(addrs, sizes, self._mem, device_id=self.space.device_id)
+        if self._local_prep is None:
+            addrs, sizes = self.space.descriptors()
+            self._local_prep = self.endpoint.prep_descs(addrs, sizes, self._mem, device_id=self.space.device_id)
         for rank, peer in sorted(peers.items()):
             agent = self.endpoint.add_peer(peer.agent_metadata)
             if agent != peer.agent_name:
@@ -238,7 +249,26 @@ class KVTransport:
 
     def receive(self) -> list[tuple[int | None, bytes]]:
         """Every frame that arrived, in arrival order. Also progresses incoming WRITEs (no progress thread)."""
-        return [(self._rank_of.get(agent), frame) for agent, frame in self.endpoint.drain_notifs()]
+        arrived = self.endpoint.drain_notifs()
+        if not self._defer_unknown:
+            return [(self._rank_of.get(agent), frame) for agent, frame in arrived]
+        out: list[tuple[int | None, bytes]] = []
+        if self._deferred and any(agent in self._rank_of for agent, _ in self._deferred):
+            waiting, self._deferred = self._deferred, collections.deque(maxlen=MAX_DEFERRED)
+            for agent, frame in waiting:  # rule 4: joined since; hand over in arrival order
+                self._wait_or_take(agent, frame, out)
+        for agent, frame in arrived:
+            self._wait_or_take(agent, frame, out)
+        return out
+
+    def _wait_or_take(self, agent: str, frame: bytes, out: list[tuple[int | None, bytes]]) -> None:
+        rank = self._rank_of.get(agent)
+        if rank is not None:
+            out.append((rank, frame))
+            return
+        if len(self._deferred) == MAX_DEFERRED:
+            self.deferred_dropped += 1
+        self._deferred.append((agent, frame))
 
     # ---- data (rule 2) -----------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ REGISTRY: dict[str, Workload] = {
                          script="bench_failstop.py"),
     "link": Workload("", None, "session latency on a slow / lossy link between two test hosts (root)",
                      script="bench_link.py"),
+    "serve": Workload("", None, "reference server: TTFT and tokens/s, disaggregated vs single process",
+                      script="bench_serve.py"),
 }
 
 

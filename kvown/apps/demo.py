@@ -31,6 +31,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+def _kv_format(args: argparse.Namespace) -> str:
+    return f"nvfp4 ({args.scale_layout} scales)" if args.dtype == "nvfp4" else args.dtype
+
+
 def summarize(results: list[dict[str, Any]], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
     rx = [r for r in results if r["role"] == "receiver"]
     tx = [r for r in results if r["role"] == "sender"]
@@ -42,6 +46,8 @@ def summarize(results: list[dict[str, Any]], wall_s: float, args: argparse.Names
         "requests": args.requests,
         "ranks": args.ranks,
         "mode": ("context-first" if args.context_first else "generation-first") + (" fan-in" if args.fan_in else ""),
+        "kv_format": _kv_format(args),
+        "device": args.device,
         "requests_completed": sum(r["completed"] for r in rx),
         "requests_cancelled": sum(r["cancelled"] for r in rx),
         "requests_failed": sum(r["failed"] for r in rx),
@@ -66,6 +72,7 @@ def summarize(results: list[dict[str, Any]], wall_s: float, args: argparse.Names
 def print_table(s: dict[str, Any]) -> None:
     rows = [
         ("mode", s["mode"]),
+        ("KV format / device", f"{s['kv_format']} / {s['device']}"),
         ("requests completed / cancelled / failed", f"{s['requests_completed']} / {s['requests_cancelled']} / {s['requests_failed']}"),
         ("bytes transferred", f"{s['bytes_transferred'] / 2**20:.1f} MiB ({s['gbps']:.2f} GB/s)"),
         ("cancel -> retired p50 / p99", f"{s['retire_latency_p50_us']:.0f} us / {s['retire_latency_p99_us']:.0f} us"),
@@ -109,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cancel-rate", type=float, default=0.2)
     ap.add_argument("--context-first", action="store_true", help="prefill finishes before decode publishes")
     ap.add_argument("--fan-in", action="store_true", help="every context rank writes a head slice of each request")
+    ap.add_argument("--dtype", choices=["bfloat16", "nvfp4"], default="bfloat16",
+                    help="KV format: bfloat16 pattern blocks, or NVFP4 values + FP8 scales quantised from "
+                         "seeded K/V and checked by checksum and dequantisation (default bfloat16)")
+    ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline",
+                    help="nvfp4: scales inside each block (vLLM) or in a separate scale pool (TensorRT-LLM)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the KV pools live (cuda: VRAM registered with NIXL, CUDA-event ready tokens)")
     ap.add_argument("--fault", choices=["stuck-writer"], help="inject a writer whose WRITE never completes")
     ap.add_argument("--timeout-s", type=float, default=None, help="transfer timeout (default 5, 1 with --fault)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (schema: docs/demo-report.md)")
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_args.append("--context-first")
     if args.fan_in:
         rank_args.append("--fan-in")
+    rank_args += ["--dtype", args.dtype, "--scale-layout", args.scale_layout, "--device", args.device]
     if args.fault or args.inject:
         rank_args += ["--fault", args.inject or "stuck-writer:rank=0:nth=3"]
     if args.mutant:
@@ -139,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.apps.demo_rank", *rank_args]
     except FileNotFoundError as exc:
         raise SystemExit(f"kvown demo: {exc}") from None
-    print(f"kvown demo: {args.ranks} ranks, {args.requests} requests, seed {args.seed}"
-          + (f", fault {args.fault}" if args.fault else ""), flush=True)
+    print(f"kvown demo: {args.ranks} ranks, {args.requests} requests, seed {args.seed}, {_kv_format(args)} on "
+          f"{args.device}" + (f", fault {args.fault}" if args.fault else ""), flush=True)
     t0 = time.monotonic()
     rc = _run_with_progress(cmd, env, workdir, out, args)
     wall_s = time.monotonic() - t0

@@ -5,10 +5,17 @@ stand-ins, and the verification of every received block.
 
 Rules:
   1. Context ranks are the first half of the world, generation ranks the second half.
-  2. Every source block is filled with ``fill_pattern(request, 0, block index)`` *after* its send
-     session was opened and *before* its write-ready token is signalled; a WRITE posted early would
-     carry stale bytes and fail verification (the demo checks the gating for real).
-  3. Every landed request is verified block by block. The runtime's retirement canaries are on: a
+  2. Every source block is written *after* its send session was opened (on CUDA: enqueued on the
+     producer's stream before the send, whose ready token is an event recorded behind the write) and
+     *before* its write-ready token is done; a WRITE posted early would carry stale bytes and fail
+     verification (the demo checks the gating for real). What a block holds (``KVContent``):
+       * bfloat16: ``fill_pattern(request, 0, block index)``;
+       * nvfp4: K and V values drawn from the request's seed, quantised with kernels.ops into the
+         block's value and scale planes (``--scale-layout``: inline, or a separate scale pool).
+     (kvown/apps/kvcontent.py, shared with ``kvown qualify``.)
+  3. Every landed request is verified block by block: by pattern (bfloat16), or (nvfp4) by the 64-bit
+     checksum of each landed block against the expected quantisation's, and by dequantising the landed
+     values with their landed scales. The runtime's retirement canaries are on: a
      late write into a retired block is caught when the block is handed out again (the rank then
      fail-stops) or by the check of every free block when the run ends.
   4. Every wait is bounded by ``--deadline-s``.
@@ -27,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.nvfp4 import fill_pattern
 from kvown.adapters.cuda import WriteTracker
+from kvown.apps.kvcontent import KVContent
 from kvown.cache.layout import KVLayout
 from kvown.core.actions import Outcome
 from kvown.core.ids import make_request_id
@@ -62,13 +69,17 @@ def make_plan(args: argparse.Namespace, ctx: list[int], gen: list[int]) -> list[
     return plan
 
 
-def layout_for(args: argparse.Namespace) -> KVLayout:
-    return KVLayout.standard(num_layers=4, num_blocks=args.pool_blocks, tokens_per_block=16, num_kv_heads=2,
-                             head_dim=128, dtype="bfloat16")
+def layout_for(args: argparse.Namespace, num_blocks: int | None = None) -> KVLayout:
+    shape = {"num_layers": 4, "num_blocks": num_blocks or args.pool_blocks, "tokens_per_block": 16,
+             "num_kv_heads": 2, "head_dim": 128}
+    if args.dtype == "nvfp4":
+        return KVLayout.nvfp4(**shape, scale_layout=args.scale_layout)
+    return KVLayout.standard(**shape, dtype="bfloat16")
 
 
 def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
-    sender, pool, tracker = rt.sender, rt.engine.pool, WriteTracker("cpu")
+    sender, pool = rt.sender, rt.engine.pool
+    content, tracker = KVContent(pool, max_blocks=args.max_blocks), WriteTracker(args.device)
     mine = [p for p in plan if rt.rank in p.writers]
     free = list(range(args.pool_blocks))
     open_: dict[int, tuple[Planned, object, tuple[int, ...], float]] = {}
@@ -79,11 +90,15 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float) -> dict:
             blocks = tuple(free.pop() for _ in range(p.num_blocks))
             if p.cancel == "both_before":
                 sender.cancel(p.request_id)
-            token = tracker.pending()
-            handle = sender.send(p.request_id, blocks, ready=token, aux=p.request_id.to_bytes(8, "little"))
-            for j, b in enumerate(blocks):  # the "prefill": write the KV, then signal (rule 2)
-                fill_pattern(pool.block_view(b), p.request_id, 0, j)
-            token.signal()
+            aux = p.request_id.to_bytes(8, "little")
+            if args.device == "cuda":  # the "prefill" is enqueued; its event gates the WRITE (rule 2)
+                content.write(pool, p.request_id, blocks)
+                handle = sender.send(p.request_id, blocks, ready=tracker.record(), aux=aux)
+            else:  # the "prefill": open the session, write the KV, then signal (rule 2)
+                token = tracker.pending()
+                handle = sender.send(p.request_id, blocks, ready=token, aux=aux)
+                content.write(pool, p.request_id, blocks)
+                token.signal()
             open_[p.request_id] = (p, handle, blocks, time.monotonic())
             if args.context_first:
                 comm.send(p.request_id, dest=p.receiver, tag=GO_TAG)  # small: sent eagerly, never blocks long
@@ -112,7 +127,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     out = {"role": "receiver", "completed": 0, "cancelled": 0, "failed": 0, "bytes": 0, "corrupted_blocks": 0,
            "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [], "canary_broken": 0}
     block_nbytes = pool.layout.block_nbytes
-    expected = torch.empty(block_nbytes, dtype=torch.uint8)
+    content = KVContent(pool, max_blocks=args.max_blocks)
     last_progress = 0.0
     while (pending or open_) and time.monotonic() < deadline:
         if args.context_first:
@@ -139,28 +154,23 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
             open_[p.request_id] = (p, handle, time.monotonic())
         now = time.monotonic()
         for rid, (p, handle, opened) in list(open_.items()):
-            if p.cancel in ("rx_early", "rx_mid") and not handle.cancelled_ns and not handle.landed.is_set():
+            # handle.closing: this program already released or cancelled it (the engine stamps the times)
+            if p.cancel in ("rx_early", "rx_mid") and not handle.closing and not handle.landed.is_set():
                 if p.cancel == "rx_early" or now - opened >= p.cancel_delay_s:
                     receiver.cancel(rid)
-                    handle.cancelled_ns = time.monotonic_ns()  # provisional; the engine stamps its own
-            if handle.landed.is_set() and not handle.released_ns and not handle.cancelled_ns:
-                bad = 0
-                for j, b in enumerate(handle.blocks):
-                    fill_pattern(expected, rid, 0, j)
-                    if not torch.equal(pool.block_view(b), expected):
-                        bad += 1
-                out["corrupted_blocks"] += bad
+            if handle.landed.is_set() and not handle.closing:
+                out["corrupted_blocks"] += content.bad_blocks(rid, handle.blocks)
                 out["verified_blocks"] += len(handle.blocks)
                 if receiver.read_aux(handle)[:8] != rid.to_bytes(8, "little"):
                     out["corrupted_blocks"] += 1
                 receiver.release(rid)
-                handle.released_ns = time.monotonic_ns()
             if handle.retired.is_set():
                 outcome = handle.outcome.result(0) if handle.outcome.done() else None
                 if outcome is Outcome.COMPLETED:
                     out["completed"] += 1
                     out["bytes"] += len(handle.blocks) * block_nbytes
-                    out["retire_release_us"].append((handle.retired_ns - handle.released_ns) / 1e3)
+                    if handle.released_ns:  # not when a cancel raced the landing and lost
+                        out["retire_release_us"].append((handle.retired_ns - handle.released_ns) / 1e3)
                 elif outcome is Outcome.CANCELLED:
                     out["cancelled"] += 1
                     out["retire_cancel_us"].append((handle.retired_ns - handle.cancelled_ns) / 1e3)
@@ -215,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--context-first", action="store_true")
     ap.add_argument("--fan-in", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "nvfp4"], default="bfloat16")
+    ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--grace-s", type=float, default=None)
     ap.add_argument("--fault", default="")
@@ -236,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     role = "sender" if comm.Get_rank() in ctx else "receiver"
     config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, fault=args.fault or None,
                             canary=True)
-    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
+    if args.device == "cuda":
+        torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role}, device=args.device)
     plan = make_plan(args, ctx, gen)
     comm.Barrier()
     t0 = time.monotonic()

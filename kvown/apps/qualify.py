@@ -199,7 +199,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # ---- the two worlds --------------------------------------------------------------------------------
 
 
-def run_scenarios(launch: Launch, layout: str, device: str, timeout_s: float) -> tuple[dict, dict]:
+def run_scenarios(launch: Launch, layout: str, device: str, timeout_s: float,
+                  scale_layout: str = "inline") -> tuple[dict, dict]:
     """The scenario world: (checks, figures)."""
     from kvown.testing import ucxproto
 
@@ -207,7 +208,8 @@ def run_scenarios(launch: Launch, layout: str, device: str, timeout_s: float) ->
     run = run_world(
         launch,
         3,
-        [sys.executable, "-m", "kvown.apps.qualify_world", "--layout", layout, "--device", device],
+        [sys.executable, "-m", "kvown.apps.qualify_world", "--layout", layout, "--device", device,
+         "--scale-layout", scale_layout],
         timeout_s,
         extra_env={"UCX_PROTO_INFO": "y"},
     )
@@ -461,11 +463,12 @@ def _launch_for(args: argparse.Namespace, hosts_obj=None) -> Launch:
 
 def qualify(args: argparse.Namespace, launch: Launch) -> tuple[dict, dict]:
     t0 = time.monotonic()
-    checks, sc_figures = run_scenarios(launch, args.layout, args.device, args.timeout_s)
+    checks, sc_figures = run_scenarios(launch, args.layout, args.device, args.timeout_s, args.scale_layout)
     figures: dict = {
         "scenarios": sc_figures,
         "where": launch.where,
         "layout": args.layout,
+        "scale_layout": args.scale_layout if args.layout == "nvfp4" else None,
         "device": args.device,
     }
     t1 = time.monotonic()
@@ -494,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--layout", choices=LAYOUTS, default="standard", help="KV layout to qualify (default standard)"
     )
+    ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline",
+                    help="nvfp4: scales inside each block (vLLM) or in a separate scale pool (TensorRT-LLM)")
     ap.add_argument("--device", default="cpu", help="cpu (host memory) or cuda (VRAM)")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--hosts", help="comma-separated hosts for mpirun --host (one rank per host)")

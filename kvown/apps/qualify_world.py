@@ -2,8 +2,8 @@
 
 Ranks 0 and 1 write, rank 2 receives, over real NIXL. Each scenario runs on every rank between
 barriers; ranks record checks as {scenario: {check: bool}} and rank 0 writes them all as JSON.
-Run it on the hosts and layout you deploy (``--layout nvfp4`` for NVFP4 packed values + scales;
-``kvown qualify --hosts a,b`` places the ranks on several nodes).
+Run it on the hosts and layout you deploy (``--layout nvfp4`` for NVFP4 packed values + scales, with
+``--scale-layout inline|separate``; ``kvown qualify --hosts a,b`` places the ranks on several nodes).
 
 Besides the checks, rank 0 reports figures: how long start-up (NIXL agents, registration, metadata
 allgather and load) took on each rank, where each rank ran, which rank pairs carried kvown traffic, and
@@ -13,7 +13,9 @@ launcher on another host than rank 0 still gets them.
 
 Rules:
   1. Every wait is bounded; a scenario that raises records a failed check instead of hanging the world.
-  2. Data is verified byte for byte against a pattern the writer produced after opening its session.
+  2. Data is verified against content the writer produced (kvown/apps/kvcontent.py): byte for byte
+     against a pattern, or for NVFP4 quantised K/V, by checksum and by dequantising with the landed
+     scales. On CUDA the writer's stream is synchronised before the send that reads it.
   3. Checksummed data is random: the receiver cannot regenerate it, only compare digests.
 """
 
@@ -30,9 +32,10 @@ sys.setswitchinterval(2e-4)
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from kernels.nvfp4 import checksum, fill_pattern  # noqa: E402
+from kernels.ops import checksum  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.cuda import WriteTracker  # noqa: E402
+from kvown.apps.kvcontent import KVContent  # noqa: E402
 from kvown.core.messages import Envelope, KvResult, ResultStatus, seal  # noqa: E402
 from kvown.adapters import codec  # noqa: E402
 
@@ -41,6 +44,7 @@ import argparse  # noqa: E402
 _ap = argparse.ArgumentParser(prog="kvown.apps.qualify_world")
 _ap.add_argument("--layout", choices=["standard", "mla", "nvfp4"], default="standard")
 _ap.add_argument("--device", default="cpu")
+_ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline")
 _ap.add_argument("out", nargs="?", help="also write the results here (rank 0's filesystem)")
 ARGS = _ap.parse_args()
 comm = MPI.COMM_WORLD
@@ -50,7 +54,7 @@ _SHAPE = dict(num_layers=2, num_blocks=64, tokens_per_block=16)
 LAYOUT = {
     "standard": lambda: KVLayout.standard(num_kv_heads=2, head_dim=64, dtype="bfloat16", **_SHAPE),
     "mla": lambda: KVLayout.mla(latent_dim=576, dtype="bfloat16", **_SHAPE),
-    "nvfp4": lambda: KVLayout.nvfp4(num_kv_heads=2, head_dim=128, **_SHAPE),
+    "nvfp4": lambda: KVLayout.nvfp4(num_kv_heads=2, head_dim=128, scale_layout=ARGS.scale_layout, **_SHAPE),
 }[ARGS.layout]()
 comm.Barrier()
 _connect_t0 = time.monotonic()
@@ -60,6 +64,7 @@ CONNECT_S = time.monotonic() - _connect_t0  # agent, registration, metadata allg
 pool = rt.engine.pool
 results: dict[str, dict[str, bool]] = {}
 verified_nbytes = {"pattern": 0, "checksum": 0}
+content = KVContent(pool, max_blocks=8)
 seq = iter(range(1000))
 
 
@@ -68,16 +73,14 @@ def rid() -> int:
 
 
 def fill(blocks, request_id):
-    for j, b in enumerate(blocks):
-        fill_pattern(pool.block_view(b), request_id, 0, j)
+    content.write(pool, request_id, blocks)
+    if pool.tensor.is_cuda:  # the sends below take no ready token: the write must be done first
+        torch.cuda.current_stream().synchronize()
 
 
 def verify(blocks, request_id) -> bool:
-    expected = torch.empty(LAYOUT.block_nbytes, dtype=torch.uint8, device=pool.device)
-    for j, b in enumerate(blocks):
-        fill_pattern(expected, request_id, 0, j)
-        if not torch.equal(pool.block_view(b), expected):
-            return False
+    if content.bad_blocks(request_id, blocks):
+        return False
     verified_nbytes["pattern"] += len(blocks) * LAYOUT.block_nbytes
     return True
 

@@ -40,7 +40,7 @@ from collections.abc import Hashable, Iterable
 import torch
 
 from kvown.cache.layout import KVLayout
-from kvown.cache.space import BlockSpace
+from kvown.cache.space import BlockSpace, Region
 from kvown.core.errors import ConfigError, InvariantViolation, KvownError, LocalProtocolError
 
 
@@ -77,6 +77,9 @@ class KVPool:
             raise ConfigError("pool device must be cpu or cuda", field="device", value=str(device))
         # Zero-filled so a block never shows another run's stale bytes.
         self.tensor = torch.zeros(layout.pool_nbytes, dtype=torch.uint8, device=self.device)
+        # A "separate" NVFP4 layout keeps its scales in a companion pool at the same block index (the
+        # TensorRT-LLM way): its bytes only; the block states are this pool's. Transfers move both.
+        self.scales = KVPool(layout.scale_pool(), self.device) if layout.scale_layout == "separate" else None
         self._block_nbytes = layout.block_nbytes
         self._state = [BlockState.FREE] * layout.num_blocks
         self._owner: list[Hashable | None] = [None] * layout.num_blocks
@@ -98,11 +101,23 @@ class KVPool:
         """Address of block 0 (what NIXL registers); block b starts ``b * block_nbytes`` later."""
         return int(self.tensor.data_ptr())
 
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def heads(self) -> int:
+        """Heads a fan-in may split between writers."""
+        return self.layout.num_kv_heads
+
     def space(self) -> BlockSpace:
-        """The pool as a one-region block space (heads outermost), for the transport."""
+        """The pool as a block space for the transport: one region (heads outermost), plus the scale
+        pool's region for a "separate" NVFP4 layout, so moving block b moves its scales too."""
         mem = "VRAM" if self.device.type == "cuda" else "DRAM"
-        return BlockSpace.contiguous(self.base_addr, self._block_nbytes, self.layout.num_blocks,
-                                     heads=self.layout.num_kv_heads, mem=mem, device_id=self.device.index or 0)
+        regions = [Region(self.base_addr, self._block_nbytes, self._block_nbytes, self.layout.num_kv_heads)]
+        if self.scales is not None:
+            n = self.scales.layout.block_nbytes
+            regions.append(Region(self.scales.base_addr, n, n, self.layout.num_kv_heads))
+        return BlockSpace(tuple(regions), self.layout.num_blocks, mem, self.device.index or 0)
 
     def block_addr(self, block: int) -> int:
         self._check_index(block, "block")

@@ -67,6 +67,25 @@ class Region:
     def shape(self) -> list[int]:
         return [self.chunk_nbytes, self.heads, self.groups]
 
+    @classmethod
+    def from_tensor(cls, tensor: Any, *, block_dim: int = 0, heads: int = 1, groups: int = 1) -> Region:
+        """The region of a server-owned tensor whose dimension ``block_dim`` is the block index.
+
+        One block's slice must be contiguous (it is one chunk). E.g. vLLM's per-layer
+        ``[2, num_blocks, block_size, kv_heads, head_dim]``: ``Region.from_tensor(t[0], heads=kv_heads,
+        groups=block_size)`` for K and the same of ``t[1]`` for V; TensorRT-LLM's KEY pool
+        ``[num_blocks, ...]``: ``Region.from_tensor(key_pool, heads=...)``.
+        After error: ``ConfigError`` naming what does not fit.
+        """
+        one = tensor.select(block_dim, 0)
+        if not one.is_contiguous():
+            raise ConfigError("one block's slice of the tensor must be contiguous", field="block_dim",
+                              shape=tuple(tensor.shape), block_dim=block_dim)
+        elt = tensor.element_size()
+        region = cls(int(tensor.data_ptr()), int(tensor.stride(block_dim)) * elt, one.numel() * elt, heads, groups)
+        region.check()
+        return region
+
 
 @dataclass(frozen=True)
 class BlockSpace:
@@ -97,6 +116,18 @@ class BlockSpace:
             raise error("mem must be DRAM or VRAM", field="mem", value=self.mem)
         if type(self.device_id) is not int or not 0 <= self.device_id < 1 << 16:
             raise error("device_id out of range", field="device_id", value=self.device_id)
+
+    @classmethod
+    def of_tensors(cls, regions: Sequence[Region], tensors: Sequence[Any], *, block_dim: int = 0) -> BlockSpace:
+        """A space over server-owned tensors (``regions`` from ``Region.from_tensor``); ``num_blocks``,
+        memory kind and device come from the tensors, which must agree."""
+        counts = {int(t.shape[block_dim]) for t in tensors}
+        devices = {(t.device.type, t.device.index or 0) for t in tensors}
+        if len(counts) != 1 or len(devices) != 1:
+            raise ConfigError("every region's tensor needs the same number of blocks and the same device",
+                              field="tensors", num_blocks=sorted(counts), devices=sorted(devices))
+        (kind, index), = devices
+        return cls(tuple(regions), counts.pop(), "VRAM" if kind == "cuda" else "DRAM", index)
 
     @classmethod
     def contiguous(cls, base_addr: int, block_nbytes: int, num_blocks: int, *, heads: int = 1,

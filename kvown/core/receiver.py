@@ -437,11 +437,11 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if s.outcome is not None:
             return
         s.outcome, s.reason = outcome, reason
-        actions.append(Conclude(s.request_id, outcome, reason))
-        if outcome is Outcome.COMPLETED:
+        if outcome is Outcome.COMPLETED:  # Deliver first: whoever learns the outcome may read at once
             actions.append(Deliver(s.request_id))
             s.state = RxState.DELIVERED
-        else:
+        actions.append(Conclude(s.request_id, outcome, reason))
+        if outcome is not Outcome.COMPLETED:
             self.fence.install(s.request_id, _ORIGIN[outcome])
             s.state = RxState.DRAINING
         if s.writer_claims():

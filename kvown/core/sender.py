@@ -262,7 +262,7 @@ class SenderCore(RankCore[SendSession]):
         )
         self.sessions[rid] = session
         for src, request in self._saved.pop(rid, {}).items():
-            if len(request.dst_blocks) != len(session.src_blocks):  # the check a live publication gets
+            if not self._fits(session, request):  # the check a live publication gets (defect 7)
                 self._count("invalid_publications")
                 actions.append(SendControl(src, _declined(self.config.rank, rid)))
                 continue
@@ -280,7 +280,7 @@ class SenderCore(RankCore[SendSession]):
         if session is not None:
             if src in session.streams:
                 raise PeerProtocolError("second REQUEST_DATA on one stream", field="request_id", request_id=rid)
-            if len(request.dst_blocks) != len(session.src_blocks):
+            if not self._fits(session, request):
                 raise PeerProtocolError(
                     "destination and source block counts differ", field="dst_blocks",
                     got=len(request.dst_blocks), want=len(session.src_blocks),
@@ -294,6 +294,11 @@ class SenderCore(RankCore[SendSession]):
             if rid not in self._saved and len(self._saved) >= self.max_saved:
                 raise PeerProtocolError("too many publications waiting for sessions", field="request_id")
             self._saved.setdefault(rid, {})[src] = request
+
+    @staticmethod
+    def _fits(s: SendSession, request: RequestData) -> bool:
+        """A publication names one destination block per source block of the session."""
+        return len(request.dst_blocks) == len(s.src_blocks)
 
     def _attach(self, s: SendSession, request: RequestData, src: int, now_ns: int, actions: list[Action]) -> None:
         kinds = [(p, PieceKind.KV) for p in range(s.num_pieces)]

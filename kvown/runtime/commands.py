@@ -86,6 +86,7 @@ class SendHandle:
     released: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
     released_ns: int = 0
+    on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``released``
 
 
 @dataclass(eq=False)
@@ -104,6 +105,7 @@ class ReceiveHandle:
     released_ns: int = 0
     retired_ns: int = 0
     closing: bool = False  # written by the API only: release or cancel was asked (no local copy after)
+    on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``retired``
 
 
 class Ticket:
@@ -194,6 +196,8 @@ class Receive(Command):
     num_slices: int
     aux: bool
     ticket: Ticket
+    blocks: tuple[int, ...] = ()  # bring-your-own memory: the blocks the server lends (else allocate)
+    on_done: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

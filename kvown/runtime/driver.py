@@ -194,7 +194,7 @@ class Driver:
         self.inn = InboundStreams(rank)
         self.stats: collections.Counter[str] = collections.Counter()
         self.fatal: FailStop | None = None
-        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.layout.num_blocks) if config.canary else None
+        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.num_blocks) if config.canary else None
         self._now_ns = 0
         self._retry_ns = int(config.control_retry_s * 1e9)
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
@@ -295,8 +295,7 @@ class Driver:
             if self._outbox:
                 self._flush_outbox()
         except InvariantViolation as exc:  # rule 6
-            self._fail_stop(FailStop(FatalReason.INVARIANT, getattr(exc, "request_id", None),
-                                     f"{exc}\n{traceback.format_exc()}"))
+            self._fail_stop(_invariant_fail_stop(exc))
             return True
         return moved
 
@@ -338,14 +337,15 @@ class Driver:
                     command.handle.outcome.set_exception(
                         LocalProtocolError("request already has a live send session here", field="request_id",
                                            request_id=rid))
-                    command.handle.released.set()
+                    _finish(command.handle, command.handle.released)
                     return
                 aux_slot = self._take_aux() if command.aux is not None else -1
                 if command.aux is not None and aux_slot < 0:
                     self.stats["aux_exhausted"] += 1  # the AUX piece will be reported FAILED
-                elif aux_slot >= 0:
-                    self._aux_view(aux_slot)[: len(command.aux)] = torch.frombuffer(bytearray(command.aux),  # type: ignore[arg-type]
-                                                                                    dtype=torch.uint8)
+                elif aux_slot >= 0:  # the whole slot: no bytes of its previous payload survive
+                    view = self._aux_view(aux_slot)
+                    view.zero_()
+                    view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
                 command.handle.opened_ns = now
                 state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
                 self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
@@ -401,7 +401,10 @@ class Driver:
                 from kvown.cache.pool import PoolExhausted
 
                 raise PoolExhausted("no free aux slot", requested=1, free=0, owner=rid)
-            blocks = self.pool.allocate(command.num_blocks, owner=rid)
+            if command.blocks:  # bring-your-own memory: the server lends these (kvown.cache.lent)
+                blocks = self.pool.lend(command.blocks, owner=rid)  # type: ignore[attr-defined]
+            else:
+                blocks = self.pool.allocate(command.num_blocks, owner=rid)
         except KvownError as exc:  # PoolExhausted: back-pressure, nothing changed
             if aux_slot >= 0:
                 self._aux_free.append(aux_slot)
@@ -410,11 +413,12 @@ class Driver:
         if self.canaries is not None:
             try:
                 self._verify_canaries(blocks, rid)
-            except InvariantViolation as exc:  # the caller hears of it; the step fail-stops (rule 6)
-                ticket.future.set_exception(AdmissionError("this rank is fail-stopping", request_id=rid,
-                                                           reason=str(exc)))
+            except InvariantViolation as exc:  # rule 6, latched before the caller hears of it: its thread
+                self._fail_stop(_invariant_fail_stop(exc))  # may die of the answer at once, and its exit
+                ticket.future.set_exception(AdmissionError(  # hook must report this cause, not a crash
+                    "this rank is fail-stopping", request_id=rid, reason=str(exc)))
                 raise
-        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now)
+        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now, on_done=command.on_done)
         self._recvs[rid] = handle
         ticket.future.set_result(handle)
         self.recorder.note(EV_OPEN_RECEIVE, rid, command.writers)
@@ -654,7 +658,7 @@ class Driver:
                         if state.aux_slot >= 0:
                             self._aux_free.append(state.aux_slot)
                         state.handle.released_ns = self._now_ns
-                        state.handle.released.set()
+                        _finish(state.handle, state.handle.released)
                 case AdmissionRefused():
                     self.stats["admission_refused"] += 1
                     self._refuse(core, action)
@@ -716,7 +720,7 @@ class Driver:
             self._aux_free.append(handle.aux_slot)
         handle.retired_ns = self._now_ns
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
-        handle.retired.set()
+        _finish(handle, handle.retired)
 
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
@@ -727,7 +731,7 @@ class Driver:
                 if state.aux_slot >= 0:
                     self._aux_free.append(state.aux_slot)
                 state.handle.outcome.set_exception(error)
-                state.handle.released.set()
+                _finish(state.handle, state.handle.released)
             return
         handle = self._recvs.pop(action.request_id, None)
         if handle is not None:
@@ -735,7 +739,7 @@ class Driver:
             if handle.aux_slot >= 0:
                 self._aux_free.append(handle.aux_slot)
             handle.outcome.set_exception(error)
-            handle.retired.set()
+            _finish(handle, handle.retired)
 
     def _verify_canaries(self, blocks: tuple[int, ...], rid: int) -> None:
         broken = self.canaries.check(blocks)  # type: ignore[union-attr]
@@ -772,6 +776,18 @@ def _what(seq: int, messages: list[Message]) -> str:
     """A frame's description for the CONTROL_LOST report (computed only when a send failed)."""
     names = ", ".join(m.KIND.name for m in messages[:4]) + (", ..." if len(messages) > 4 else "")
     return f"{names} seq {seq}"
+
+
+def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:
+    """The handle's last word: its event, then its ``on_done`` (the embedding server's hand-back)."""
+    done.set()
+    if handle.on_done is not None:
+        handle.on_done(handle)
+
+
+def _invariant_fail_stop(exc: InvariantViolation) -> FailStop:
+    """The INVARIANT fail-stop for ``exc``, with the traceback of the exception being handled."""
+    return FailStop(FatalReason.INVARIANT, getattr(exc, "request_id", None), f"{exc}\n{traceback.format_exc()}")
 
 
 __all__ = ["Driver"]

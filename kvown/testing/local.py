@@ -9,9 +9,11 @@ been the world kill, so a test can assert a fail-stop without dying.
 from __future__ import annotations
 
 import secrets
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvown.cache.layout import KVLayout
+from kvown.cache.space import BlockSpace
 from kvown.rank import LocalRank, RankRuntime, _launch, _roles, _start
 from kvown.runtime.config import TransferConfig
 
@@ -29,11 +31,14 @@ class KillRecorder:
 def local_world(
     roles: dict[int, set[str]],
     *,
-    layout: KVLayout,
+    layout: KVLayout | None = None,
+    device: str = "cpu",
     config: TransferConfig | None = None,
     kill: Callable[[object, int], None] | None = None,
+    memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
 ) -> dict[int, RankRuntime]:
-    """Start one runtime per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``).
+    """Start one runtime per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``), each with
+    kvown's own pool of ``layout`` on ``device``, or with the server memory ``memory[rank] = (space, on_returned)``.
 
     Called: once per test. Stop each with ``rt.close()``.
     """
@@ -41,7 +46,12 @@ def local_world(
     key = secrets.token_bytes(32)
     job = secrets.token_hex(4)
     kill = kill if kill is not None else KillRecorder()
-    built = {rank: LocalRank.build(rank, layout, config, _roles(r), "cpu", job) for rank, r in roles.items()}
+    memory = memory or {}
+    built = {}
+    for rank, r in roles.items():
+        space, on_returned = memory.get(rank, (None, None))
+        built[rank] = LocalRank.build(rank, config, _roles(r), job=job, layout=None if space else layout,
+                                      device=device, memory=space, on_returned=on_returned)
     for local in built.values():
         local.bind_metrics()
     out = {}

@@ -41,7 +41,7 @@ def test_completion_with_acks_outstanding_schedules_the_drain_deadline() -> None
     r = receiver(timeout=10_000, grace=100)
     _open(r, writers=(1, 2))  # broadcast: 2 candidates, 1 slice
     out = r.handle(msg(1, RX, KvResult(1, 1, 0, True, ResultStatus.SUCCESS, 0)), 50)
-    assert kinds(out) == ["Conclude", "Deliver", "SendControl:CancelSession"]
+    assert kinds(out) == ["Deliver", "Conclude", "SendControl:CancelSession"]
     assert r.next_deadline_ns() == 150  # drain started at 50; not 10_000 (exposure + timeout)
     assert r.check_fatal(149) is None and r.check_fatal(150) is not None
     out = r.handle(Tick(), 150)

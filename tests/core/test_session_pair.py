@@ -7,8 +7,11 @@ follow trtllm.md section 15 (session ack, deadline, ownership regressions, fence
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+
 import pytest
-from corekit import G, RX, T, receiver, sender
+from corekit import RX, G, T, receiver, sender
 
 from kvown.core.actions import (
     AdmissionRefused,
@@ -40,7 +43,10 @@ from kvown.core.events import (
 )
 from kvown.core.fence import CancelOrigin
 from kvown.core.ids import make_request_id
+from kvown.core.machine import CoreConfig, RankCore
 from kvown.core.messages import AuxResult, Envelope, KvResult, ResultStatus, SessionQuiesced
+from kvown.core.receiver import ReceiverCore
+from kvown.core.sender import SenderCore
 from kvown.core.streams import InboundStreams, OutboundStreams
 
 S, F, D, Q = ResultStatus.SUCCESS, ResultStatus.FAILED, ResultStatus.IN_DOUBT, ResultStatus.FAILED_QUIESCED
@@ -572,12 +578,15 @@ def test_the_core_refuses_a_message_for_another_rank_and_stale_epochs() -> None:
     with pytest.raises(PeerProtocolError) as info:
         p.rx.handle(misaddressed, 0)
     assert info.value.field == "dst_rank"
-    p.rx.handle(WatermarkSet(5), 0)
-    out = p.rx.handle(OpenReceive(make_request_id(4, 1), (1,), (1,)), 0)
-    assert [type(a) for a in out] == [AdmissionRefused] and not p.rx.sessions
-    assert p.tx[1].handle(WatermarkSet(5), 0) is not None
-    out = p.tx[1].handle(OpenSend(make_request_id(4, 2), (1,)), 0)
-    assert [type(a) for a in out] == [AdmissionRefused]
+    # with a peer that has not moved its watermark, the world's (fence) watermark stays 0: only this
+    # rank's own watermark refuses the stale epoch
+    rx = ReceiverCore(CoreConfig(rank=RX, timeout_ns=T, grace_ns=G, peers=(1,)))
+    tx = SenderCore(CoreConfig(rank=1, timeout_ns=T, grace_ns=G, peers=(RX,)))
+    for core, opening in ((rx, OpenReceive(make_request_id(4, 1), (1,), (1,))),
+                          (tx, OpenSend(make_request_id(4, 2), (1,)))):
+        core.handle(WatermarkSet(5), 0)
+        assert core.fence.admissible(opening.request_id)
+        assert [type(a) for a in core.handle(opening, 0)] == [AdmissionRefused] and not core.sessions
 
 
 @T10
@@ -598,3 +607,118 @@ def test_a_local_copy_after_delivery_gets_its_own_clock() -> None:
     predicted = p.rx.check_fatal(start + G)
     out = p.do(RX, Tick(), at=start + G)
     assert predicted is not None and isinstance(out[0], FailStop) and "local completion 3" in out[0].detail
+
+
+@T10
+def test_what_a_second_thread_reads_changes_nothing() -> None:
+    """Defect 3: next_deadline_ns popped stale heap entries while the watchdog thread called it too (the
+    demo's IndexError). The readers are pure: with a retired session's entry at the head of the heap,
+    calling them leaves every field as it was."""
+    p = Pair()
+    p.open(rid=1)
+    p.flush()
+    p.send(1, rid=1)
+    p.complete_all(1)
+    p.flush()
+    p.do(RX, OpenReceive(2, (12, 13), (1,)), at=10)  # a later deadline that stays in the heap
+    p.do(RX, ReleaseRequested(1))
+    assert p.retired(1)
+
+    def snapshot():
+        rx = p.rx
+        return list(rx._deadlines), set(rx._queued), dict(rx.sessions), dict(rx.counters), rx.fatal
+
+    before = snapshot()
+    for _ in range(3):
+        p.rx.next_deadline_ns()
+        p.rx.check_fatal(p.now + 10 * T)
+        p.rx.nearest_fail_stop_ns()
+    assert snapshot() == before
+
+
+# ---- each defect test keeps its teeth: with its fix reverted, it must fail -----------------------
+
+
+def _saved_path_skips_the_length_check(mp: pytest.MonkeyPatch) -> None:  # defect 7
+    mp.setattr(SenderCore, "_fits", lambda self, s, request: True)
+
+
+def _cancel_drops_saved_publications(mp: pytest.MonkeyPatch) -> None:  # defect 8
+    mp.setattr(SenderCore, "_decline_saved", lambda self, rid, actions: self._saved.pop(rid, None))
+
+
+def _core_trusts_the_stream_layer_for_dst_rank(mp: pytest.MonkeyPatch) -> None:  # defect 9
+    apply = RankCore._apply
+
+    def readdressed(self, event, now_ns, actions):
+        if isinstance(event, MessageReceived):
+            event = MessageReceived(dataclasses.replace(event.envelope, dst_rank=self.config.rank))
+        apply(self, event, now_ns, actions)
+
+    mp.setattr(RankCore, "_apply", readdressed)
+
+
+def _admission_ignores_the_local_watermark(mp: pytest.MonkeyPatch) -> None:  # defect 9
+    mp.setattr(RankCore, "_admissible", lambda self, rid: self.fence.admissible(rid))
+
+
+def _foreign_ack_raises_after_quarantine(mp: pytest.MonkeyPatch) -> None:  # defect 14
+    on_quiesced = ReceiverCore._on_quiesced
+
+    def raising(self, s, message, now_ns, actions):
+        on_quiesced(self, s, message, now_ns, actions)
+        if message.writer_rank not in s.writers:
+            raise PeerProtocolError("SESSION_QUIESCED from an unpublished writer", field="writer_rank")
+
+    mp.setattr(ReceiverCore, "_on_quiesced", raising)
+
+
+def _decline_counts_as_a_claim(mp: pytest.MonkeyPatch) -> None:  # defect 5
+    from kvown.core import receiver
+
+    mp.setattr(receiver, "TOUCHING", frozenset(ResultStatus))
+
+
+def _late_claim_keeps_the_request_deadline(mp: pytest.MonkeyPatch) -> None:  # defect 6
+    mp.setattr(ReceiverCore, "_fatal_deadline_ns",
+               lambda self, s: s.clock.fatal_deadline_ns if s.has_claims() else None)
+
+
+def _reader_pops_stale_heads(mp: pytest.MonkeyPatch) -> None:  # defect 3: the reader cleaned the heap
+    def popping(self):
+        while self._deadlines and self._deadlines[0][1] not in self.sessions:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    mp.setattr(RankCore, "_prune", lambda self: None)
+    mp.setattr(RankCore, "next_deadline_ns", popping)
+
+
+_DECLINE = test_broadcast_decline_from_a_candidate_is_not_a_second_claim
+_MISADDRESSED = test_the_core_refuses_a_message_for_another_rank_and_stale_epochs
+_FOREIGN_ACK = test_foreign_ack_disputes_as_an_action_and_unknown_and_unsolicited_acks_are_ignored
+DEFECT_MUTANTS = [  # (defect, mutant, the defect test that must fail under it, its arguments)
+    (3, _reader_pops_stale_heads, test_what_a_second_thread_reads_changes_nothing, {}),
+    (5, _decline_counts_as_a_claim, _DECLINE, {"selected_first": True}),
+    (5, _decline_counts_as_a_claim, _DECLINE, {"selected_first": False}),
+    (6, _late_claim_keeps_the_request_deadline, test_a_local_copy_after_delivery_gets_its_own_clock, {}),
+    (7, _saved_path_skips_the_length_check, test_a_saved_publication_gets_the_block_count_check_of_a_live_one, {}),
+    (8, _cancel_drops_saved_publications, test_a_cancelled_sender_answers_saved_publications_at_once,
+     {"when": "cancel_after_saved"}),
+    (8, _cancel_drops_saved_publications, test_a_cancelled_sender_answers_saved_publications_at_once,
+     {"when": "born_cancelled"}),
+    (9, _core_trusts_the_stream_layer_for_dst_rank, _MISADDRESSED, {}),
+    (9, _admission_ignores_the_local_watermark, _MISADDRESSED, {}),
+    (14, _foreign_ack_raises_after_quarantine, _FOREIGN_ACK, {}),
+]
+
+
+@T10
+@pytest.mark.parametrize(("defect", "mutant", "check", "kwargs"), DEFECT_MUTANTS,
+                         ids=[f"{d}-{m.__name__.strip('_')}{''.join(f'-{v}' for v in k.values())}"
+                              for d, m, _, k in DEFECT_MUTANTS])
+def test_defect_test_fails_with_its_fix_reverted(defect, mutant, check, kwargs, monkeypatch: pytest.MonkeyPatch) -> None:
+    check(**kwargs)  # passes on the real code ...
+    mutant(monkeypatch)
+    with pytest.raises(Exception):  # noqa: B017 - ... and fails on the mutant (an assert, or worse)
+        check(**kwargs)

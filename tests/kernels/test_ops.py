@@ -69,6 +69,43 @@ def test_cpu_tensors_run_the_reference_and_cuda_backend_needs_cuda_tensors() -> 
         ops.checksums(torch.zeros(2, 8, dtype=torch.uint8), backend="gpu")
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rope_dim", [0, 64])
+def test_the_host_build_gives_the_references_bits(dtype: torch.dtype, rope_dim: int) -> None:
+    """CPU tensors run the host build of the kernel math by default: the reference's bits, ~100x faster."""
+    pytest.importorskip("kernels._kv_host", reason="the host build is made by `make setup`")
+    x = (rand(3, 5, 576, seed=rope_dim) * 40).to(dtype)
+    want = nvfp4.quantize(x, rope_dim=rope_dim)
+    for backend in ("auto", "host"):
+        got = ops.quantize(x, rope_dim=rope_dim, backend=backend)
+        assert torch.equal(got.values, want.values) and torch.equal(got.scales, want.scales)
+        assert (got.global_scale, got.rope_global_scale) == (want.global_scale, want.rope_global_scale)
+        assert torch.equal(bits(ops.dequantize(got, backend=backend)), bits(nvfp4.dequantize(want)))
+
+
+def test_the_host_build_writes_nothing_on_non_finite_input() -> None:
+    pytest.importorskip("kernels._kv_host", reason="the host build is made by `make setup`")
+    x = rand(2, 32)
+    x[1, 7] = float("inf")
+    out = (torch.full((2, 16), 0xAB, dtype=torch.uint8), torch.full((2, 2), 0xCD, dtype=torch.uint8))
+    with pytest.raises(KernelInputError, match="non-finite"):
+        ops.quantize(x, 1.0, out=out, backend="host")
+    assert bool((out[0] == 0xAB).all()) and bool((out[1] == 0xCD).all())
+
+
+def test_without_the_host_build_auto_runs_the_reference_and_host_is_refused(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(ops, "_host_build", lambda: None)
+    x = rand(4, 32)
+    assert torch.equal(ops.quantize(x, 0.5).values, nvfp4.quantize(x, 0.5).values)
+    with pytest.raises(KernelInputError) as raised:
+        ops.quantize(x, backend="host")
+    assert raised.value.fields["field"] == "backend"  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(
     ("call", "field"),
     [

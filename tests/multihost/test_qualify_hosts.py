@@ -3,8 +3,7 @@
 One rank per host, UCX over TCP between them. Every check of every scenario must be true, including
 the network checks (each pair of ranks on different hosts used tcp/eth0 and nothing else) and the
 fail-stop world (deadline -> every rank on every host gone). 15 s per layout on a quiet 2-core VM,
-22-25 s under load: NVFP4 (the layout multi-node users qualify) runs in CI; standard and MLA run
-with the slow tests (standard is also qualified on one host by tests/multiproc/test_transfer_world.py).
+22-25 s under load; all three layouts, and NVFP4 in both scale layouts, run in CI.
 """
 
 from __future__ import annotations
@@ -41,10 +40,11 @@ EXPECTED_SCENARIOS = {
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "layout",
-    ["nvfp4", pytest.param("standard", marks=pytest.mark.slow), pytest.param("mla", marks=pytest.mark.slow)],
+    ("layout", "scale_layout"),
+    [("nvfp4", "inline"), ("nvfp4", "separate"), ("standard", "inline"), ("mla", "inline")],
+    ids=["nvfp4-inline-scales", "nvfp4-separate-scales", "standard", "mla"],
 )
-def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
+def test_qualify_passes_across_three_test_hosts(tmp_path, layout, scale_layout):
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"test hosts unavailable: {reason}")
@@ -59,6 +59,8 @@ def test_qualify_passes_across_three_test_hosts(tmp_path, layout):
             "3",
             "--layout",
             layout,
+            "--scale-layout",
+            scale_layout,
             "--json",
             str(out),
             "--junit-xml",

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from kvown import qualify
+from kvown.apps import qualify
 
 pytestmark = pytest.mark.multiproc
 

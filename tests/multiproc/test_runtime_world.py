@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from worldkit import ROOT, WORLDS, mpirun
 
 WORLD = WORLDS / "runtime_world.py"
@@ -95,6 +94,26 @@ def test_a_rank_that_leaves_early_takes_the_world_down(tmp_path, scenario, key, 
     assert gone_s < bound_s, f"world took {gone_s:.3f} s to die\n{output[-2000:]}"
     assert proc.returncode == 137, output[-3000:]  # ExitCode.RANK_CRASH
     assert not any(rep.get("barrier_returned") for rep in reports(tmp_path, 3).values())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_without_the_exit_hooks_the_world_hangs(tmp_path):
+    """The check above has teeth: with the exit hooks removed, rank 0's uncaught exception leaves it in
+    MPI_Finalize and its peers in the barrier, still alive long after the 1 s bound."""
+    import os
+    import signal
+
+    proc, _, _ = launch("raise", 3, tmp_path, KVOWN_RANK_CRASH_GRACE_S="1", KVOWN_TEST_MUTANT="no-exit-hooks")
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline and "raise_ns" not in reports(tmp_path, 3).get(0, {}):
+        time.sleep(0.01)
+    pids = [rep["pid"] for rep in reports(tmp_path, 3).values()]
+    time.sleep(4.0)
+    alive = [p for p in pids if pid_alive(p)]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert len(pids) == 3 and len(alive) >= 2, f"the mutant world did not hang: alive {alive} of {pids}"
 
 
 @pytest.mark.multiproc

@@ -54,10 +54,12 @@ def test_scenario(scenario_results, name):
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["nvfp4", "mla"])
+@pytest.mark.parametrize("layout", [("nvfp4", "inline"), ("nvfp4", "separate"), ("mla", "inline")],
+                         ids=["nvfp4-inline-scales", "nvfp4-separate-scales", "mla"])
 def test_qualify_passes_for_other_layouts(tmp_path, layout):
     out = tmp_path / "checks.json"
-    proc = run([sys.executable, "-m", "kvown.apps.qualify", "--layout", layout, "--json", str(out)], 280)
+    proc = run([sys.executable, "-m", "kvown.apps.qualify", "--layout", layout[0], "--scale-layout", layout[1],
+                "--json", str(out)], 280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = json.loads(out.read_text())["checks"]
     assert set(checks) == set(EXPECTED) | {"network", "fail_stop_across_hosts"}

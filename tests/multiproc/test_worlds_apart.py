@@ -15,7 +15,7 @@ from kvown.adapters.rendezvous import RendezvousServer
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("difference, field", [("geometry", "geometry_digest"), ("version", "protocol_version")])
+@pytest.mark.parametrize("difference, field", [("geometry", "space"), ("version", "protocol_version")])
 def test_handshake_refuses_a_different_peer(difference, field):
     proc = run(mpirun(2) + [sys.executable, str(WORLDS / "handshake.py"), difference], 90)
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]

@@ -6,21 +6,22 @@ No threads and no real clock: the test steps both drivers with its own integer c
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvown.adapters.transport import KVTransport, Role
 from kvown.api import Receiver, Sender
 from kvown.cache.layout import KVLayout
 from kvown.cache.pool import KVPool
 from kvown.core.actions import FatalReason, Outcome
+from kvown.core.errors import LocalProtocolError
 from kvown.core.ids import make_request_id
+from kvown.runtime.commands import LiveRequests
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.driver import Driver
 from kvown.runtime.engine import Engine
 from kvown.runtime.flight import FlightRecorder
 from kvown.testing.clockguard import forbid_real_clock
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint, FakeOutcome, NotifFault, WriteFault
-
-import torch
 
 LAYOUT = KVLayout.standard(num_layers=1, num_blocks=16, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8")
 KEY = b"k" * 32
@@ -178,6 +179,61 @@ def test_next_deadline_and_check_fatal_are_pure() -> None:
         core.check_fatal(p.now + 10**9)
         p.drivers[RX].check_fatal(p.now)
     assert (list(core._deadlines), set(core._queued), dict(core.sessions)) == before
+
+
+def _duplicate_ids_are_refused() -> None:
+    p = Pair()
+    rid = make_request_id(1, 1)
+    ticket = p.rx.submit_receive(rid, 2, (TX,))
+    with pytest.raises(LocalProtocolError) as info:  # the receive is not even answered yet
+        p.rx.submit_receive(rid, 2, (TX,))
+    assert info.value.field == "request_id"
+    p.run(ticket.future.done, steps=5)
+    handle = ticket.future.result(0)
+    with pytest.raises(LocalProtocolError):
+        p.rx.submit_receive(rid, 2, (TX,))
+    send = p.tx.send(rid, (0, 1))
+    with pytest.raises(LocalProtocolError):
+        p.tx.send(rid, (4, 5))
+    p.run(lambda: handle.landed.is_set() and send.released.is_set())
+    assert send.outcome.result(0) is Outcome.COMPLETED  # the first handles complete as usual
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    assert not p.fatal and p.drivers[RX].pool.statistics().free == LAYOUT.num_blocks
+
+
+@pytest.mark.timeout(30)
+def test_a_live_request_id_is_refused_before_anything_changes() -> None:
+    """Defect 10: a second send()/receive() with a live id overwrote the handle map before the core
+    refused it: the first handle never completed, and a WRITE could leave before its ready token."""
+    _duplicate_ids_are_refused()
+
+
+@pytest.mark.timeout(30)
+def test_the_duplicate_id_check_catches_a_registry_that_overwrites(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(LiveRequests, "claim", LiveRequests.replace)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        _duplicate_ids_are_refused()
+
+
+@pytest.mark.timeout(30)
+def test_a_canary_fail_stop_is_latched_before_the_caller_hears_of_it() -> None:
+    """A late write found by the canary fails the receive with AdmissionError. The caller's thread may die
+    of that at once, and its exit hook reports driver.fatal: the INVARIANT must already be latched then,
+    or the world is killed as a mere rank crash (seen in the demo's retire-on-cancel mutant)."""
+    p = Pair()
+    rid, handle, _ = p.transfer(1)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    p.drivers[RX].pool.block_view(handle.blocks[0])[0] ^= 0xFF  # a write lands after retirement
+    ticket = p.rx.submit_receive(make_request_id(1, 2), LAYOUT.num_blocks, (TX,))
+    seen_at_answer = []
+    ticket.future.add_done_callback(lambda f: seen_at_answer.append(p.drivers[RX].fatal))
+    p.run(ticket.future.done, steps=5)
+    assert "fail-stopping" in str(ticket.future.exception(0))
+    assert seen_at_answer and seen_at_answer[0] is not None
+    assert seen_at_answer[0].reason is FatalReason.INVARIANT and "canary" in seen_at_answer[0].detail
+    assert p.fatal[RX] is seen_at_answer[0]
 
 
 @pytest.mark.timeout(30)

@@ -116,7 +116,8 @@ def stress(duration_s: float, seed: int = 0) -> dict[str, int]:
     stats = {r: rt.engine.statistics() for r, rt in world.items()}
     for rt in world.values():
         rt.close()
-    assert not errors, errors[:3]
+    fatal = [f"rank {r}: {s['fatal']}" for r, s in stats.items() if s["fatal"] is not None]
+    assert not errors, (errors[:3], fatal)
     counts["fail_stops"] = len(kill.calls)
     counts["engine_crashes"] = sum(s["counters"].get("engine_crash", 0) for s in stats.values())
     counts["fatal"] = sum(1 for s in stats.values() if s["fatal"] is not None)

@@ -13,6 +13,9 @@ die) and what it saw. Scenarios:
   busy-port       rank 1's metrics port is taken: every rank raises ConfigError naming rank 1.
   bad-input       rank 1 (receiver) and rank 0 (sender) try every bad API argument; each must raise a
                   typed error in the caller and leave the pool unchanged; then a good transfer works.
+
+KVOWN_TEST_MUTANT=no-exit-hooks runs a scenario without the exit hooks (defect 13's fix reverted):
+the test then expects the world to hang.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from pathlib import Path
 from mpi4py import MPI
 
 from kvown import KVLayout, KvownError, TransferConfig, WriteTracker, connect_mpi, make_request_id
+from kvown.rank import RankRuntime
+
+if os.environ.get("KVOWN_TEST_MUTANT") == "no-exit-hooks":
+    RankRuntime._install_exit_hooks = lambda self, **kwargs: None  # type: ignore[method-assign]
 
 SCENARIO, OUT = sys.argv[1], Path(sys.argv[2])
 comm = MPI.COMM_WORLD
