@@ -59,10 +59,34 @@ def test_missing_dependency_inside_an_existing_module_is_not_hidden(monkeypatch:
         cli.main(["bench"])
 
 
-def test_bench_without_a_name_runs_every_benchmark(tmp_path, capsys):
-    from kvown.apps.bench import SCRIPTS, main
+def test_bench_without_a_name_runs_the_suite(tmp_path, capsys):
+    """``kvown bench`` alone is the issue-12 suite: every workload as a module of the package, so a wheel
+    with no checkout runs it; the quick plan (CI's) fits one mpirun world plus W5."""
+    from kvown.apps.bench import REGISTRY, main
 
-    assert main(["--dry-run", "--json", str(tmp_path)]) == 0
+    assert main(["--dry-run", "--json", str(tmp_path / "out.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(SCRIPTS)
-    assert all(f"bench-{name}.json" in " ".join(lines) for name in SCRIPTS)
+    assert [line.split(" -m ")[1].split()[0] for line in lines] == [
+        "kvown.apps.benchmarks.cost", "kvown.apps.benchmarks.world", "kvown.apps.benchmarks.world",
+        "kvown.apps.benchmarks.frozen"]
+    assert "mpirun" in lines[1] and "-n 2" in lines[1] and "-n 4" in lines[2]
+    assert main(["--quick", "--dry-run"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert all(w.module.startswith("kvown.") or w.script for w in REGISTRY.values())
+
+
+def test_registry_takes_a_new_workload_in_one_line(monkeypatch, capsys):
+    from kvown.apps import bench
+
+    monkeypatch.setitem(bench.REGISTRY, "soak", bench.Workload("kvown.apps.soak", None, "soak"))
+    assert bench.main(["soak", "--dry-run", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.split()[-4:] == ["-m", "kvown.apps.soak", "--seed", "3"]
+
+
+def test_checkout_only_workloads_say_so_without_a_checkout(monkeypatch, tmp_path, capsys):
+    from kvown.apps import bench
+
+    monkeypatch.setattr(bench, "CHECKOUT", tmp_path)  # as from a wheel: no benchmarks/ beside the package
+    assert bench.main(["failstop"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+    assert bench.main(["world", "--dry-run"]) == 0  # a package workload needs nothing beside it

@@ -27,6 +27,18 @@ Rules:
   6. Descriptor count is the cost (about 2.2 us per descriptor to post on the CPU path), so
      ``post_write`` coalesces pairs that are contiguous on both sides, and the prepped path lets NIXL
      merge contiguous index runs (measured: 256 contiguous 4 KiB blocks post in ~46 us, scattered ~356 us).
+     Short index lists (<= 64) into lists of equal entries skip numpy entirely: Python checks, and
+     NIXL takes the lists as they are (numpy's per-call overhead dominated a 1-block post).
+
+  7. A WRITE's notification (``notif``) is sent by NIXL itself, only once every request of the
+     transfer - the data and the endpoint flush - completed successfully: inside ``transfer()``
+     when the transfer completes there (UCX ``cma`` copies inside the post), otherwise in the status
+     check that first finds it complete. A transfer that reported an error, or whose post raised,
+     never sends it (NIXL drops it on the error path). So its arrival proves the bytes landed and that
+     transfer touches the destination no more; the target may see it one status check before the
+     initiator sees DONE (the notification's own send may still be completing). Source: NIXL's UCX
+     backend, ``nixlUcxEngine::postXfer`` / ``checkXfer``; the contract tests check what can be
+     checked on a host (bytes in place when it arrives; none for a refused WRITE).
 
 Invariants:
   INV-NX-1  Every posted, unreleased handle is referenced from ``_live`` (rooted), so the NIXL
@@ -65,11 +77,15 @@ _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side" in prep_xfer
 class MemKind(enum.Enum):
     """Memory segment kind, with NIXL's segment name as the value."""
 
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     DRAM = "DRAM"
     VRAM = "VRAM"
 
 
 class XferStatus(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     IN_PROGRESS = "in_progress"
     DONE = "done"  # positive proof: the backend stopped touching both buffers
     ERROR = "error"  # in doubt: no proof; bytes may still land
@@ -101,6 +117,8 @@ class PreppedBlocks:
     peer: str | None
     _lib: Any = field(repr=False, default=None)
     released: bool = False
+    count: int = 0  # number of entries (set by prep_descs)
+    uniform_nbytes: int = 0  # every entry's size when all are equal, else 0 (the list fast path)
 
     @property
     def num_blocks(self) -> int:
@@ -275,6 +293,21 @@ def _as_index_array(idx: Any, num_blocks: int, side: str) -> np.ndarray:
         raise LocalProtocolError("block index out of range", field=side, min_index=lo, max_index=hi,
                                  num_blocks=num_blocks)
     return arr
+
+
+_LIST_INDICES = 64  # up to this many indices a Python list is checked and passed as it is
+
+
+def _check_index_list(idx: list[Any], count: int, side: str) -> None:
+    if not idx:
+        raise LocalProtocolError("block indices must be a non-empty 1-D array", field=side)
+    for i in idx:
+        if type(i) is not int:
+            raise LocalProtocolError("block indices must be integers", field=side)
+    lo, hi = min(idx), max(idx)
+    if lo < 0 or hi >= count:
+        raise LocalProtocolError("block index out of range", field=side, min_index=lo, max_index=hi,
+                                 num_blocks=count)
 
 
 def _status_of(text: Any) -> XferStatus | None:
@@ -545,7 +578,8 @@ class NixlEndpoint:
         except Exception as e:
             raise AdapterError("could not prep the descriptor list", cause=e, op="prep_xfer_dlist",
                                peer=peer, num_descs=int(addrs.size)) from e
-        prep = PreppedBlocks(addrs, sizes, mem, device_id, peer, lib)
+        uniform = int(sizes[0]) if bool((sizes == sizes[0]).all()) else 0
+        prep = PreppedBlocks(addrs, sizes, mem, device_id, peer, lib, count=int(addrs.size), uniform_nbytes=uniform)
         self._prepped.append(prep)
         return prep
 
@@ -585,22 +619,35 @@ class NixlEndpoint:
         if remote_prep.peer != peer:
             raise LocalProtocolError("remote_prep names another peer", field="remote_prep",
                                      peer=peer, prep_peer=remote_prep.peer)
-        li = _as_index_array(local_idx, local_prep.num_blocks, "local_idx")
-        ri = _as_index_array(remote_idx, remote_prep.num_blocks, "remote_idx")
-        if li.size != ri.size:
-            raise LocalProtocolError("index arrays differ in length", field="remote_idx",
-                                     local_count=int(li.size), remote_count=int(ri.size))
-        local_sizes = local_prep.sizes[li]
-        if not np.array_equal(local_sizes, remote_prep.sizes[ri]):
-            raise LocalProtocolError("block sizes differ", field="remote_prep")
-        nbytes = int(local_sizes.sum())
+        size = local_prep.uniform_nbytes
+        if (type(local_idx) is list and type(remote_idx) is list and size
+                and size == remote_prep.uniform_nbytes and len(local_idx) <= _LIST_INDICES):
+            # Fast path (rule 6): short Python lists into uniform lists - plain checks, no numpy; NIXL
+            # takes the lists as they are (cheaper than int32 arrays at this size, perf.md 1.3).
+            li, ri, n = local_idx, remote_idx, len(local_idx)
+            _check_index_list(li, local_prep.count, "local_idx")
+            _check_index_list(ri, remote_prep.count, "remote_idx")
+            if len(ri) != n:
+                raise LocalProtocolError("index arrays differ in length", field="remote_idx",
+                                         local_count=n, remote_count=len(ri))
+            nbytes, count = n * size, n
+        else:
+            li = _as_index_array(local_idx, local_prep.num_blocks, "local_idx")
+            ri = _as_index_array(remote_idx, remote_prep.num_blocks, "remote_idx")
+            if li.size != ri.size:
+                raise LocalProtocolError("index arrays differ in length", field="remote_idx",
+                                         local_count=int(li.size), remote_count=int(ri.size))
+            local_sizes = local_prep.sizes[li]
+            if not np.array_equal(local_sizes, remote_prep.sizes[ri]):
+                raise LocalProtocolError("block sizes differ", field="remote_prep")
+            nbytes, count = int(local_sizes.sum()), int(li.size)
         try:
             lib = self._agent.make_prepped_xfer("WRITE", local_prep._lib, li, remote_prep._lib, ri,
                                                 notif or b"")
         except Exception as e:
             raise AdapterError("could not make the prepped WRITE", cause=e, op="make_prepped_xfer",
                                posted=False, peer=peer, nbytes=nbytes) from e
-        return self._post(lib, peer, nbytes, int(li.size))
+        return self._post(lib, peer, nbytes, count)
 
     def _post(self, lib: Any, peer: str, nbytes: int, num_descs: int) -> XferHandle:
         handle = XferHandle(next(self._ids), peer, nbytes, num_descs, lib, self)

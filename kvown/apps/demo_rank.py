@@ -196,7 +196,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
             _write_atomic(progress_path, f"{done} {len(mine)}")
         time.sleep(0.0002)
     time.sleep(0.05)  # let any stray late write land before the final canary check
-    free = rt.engine.call(lambda driver: tuple(driver.pool._free))
+    free = rt.engine.call(lambda driver: driver.pool.free_blocks())
     out["canary_broken"] = len(rt.engine.call(lambda driver: driver.canaries.check(free)))
     out["unfinished"] = len(open_) + len(pending)
     stats = rt.engine.statistics()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,3 +34,18 @@ def mpirun_command(ranks: int) -> list[str]:
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     return cmd
+
+
+def kill_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
+    """End a run we started in its own process group (mpirun and its ranks): SIGTERM, then SIGKILL if
+    it is still there after ``wait_s``. Bounded: at most two waits of ``wait_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

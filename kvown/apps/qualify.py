@@ -40,7 +40,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kvown.apps.launch import mpirun_command
+from kvown.apps.launch import kill_group, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("standard", "mla", "nvfp4")
@@ -165,7 +165,7 @@ def run_world(
             time.sleep(0.002)
     finally:
         if proc.poll() is None:
-            _kill_group(proc)
+            kill_group(proc, wait_s=3)
         for t in readers:
             t.join(timeout=5)
         for stream in (proc.stdout, proc.stderr):
@@ -181,19 +181,6 @@ def run_world(
         tagged,
         all_gone_ns,
     )
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=3)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 # ---- the two worlds --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ Rules:
      warm-up - RSS growth within ``--rss-limit-pct`` of the RSS at the end of warm-up.
   4. Every world is bounded: it is killed (its process group) ``--grace-run-s`` after its duration.
 
-Called: once per process, from ``kvown bench soak`` (benchmarks/bench_soak.py) or
+Called: once per process, from ``kvown bench soak`` or
 ``python -m kvown.apps.soak``.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvown.apps.launch import mpirun_command
+from kvown.apps.launch import kill_group, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 ROTATION: tuple[tuple[str, int], ...] = (
@@ -180,7 +180,7 @@ def run_world(
         try:
             rc = proc.wait(timeout=duration_s + args.grace_run_s + 60)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             rc = 124
     figures = world_figures(
         read_samples(world_dir), args.warmup_s if args.warmup_s is not None else min(60.0, duration_s / 3)
@@ -197,16 +197,6 @@ def run_world(
         "flight_recorders": flights,
         **figures,
     }
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=5)
-            return
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            continue
 
 
 def summarize(worlds: list[dict], args: argparse.Namespace) -> dict[str, Any]:

@@ -15,9 +15,14 @@ Rules:
   1. Blocks go back to FREE only through ``retire`` (the retirement path); there is no other way.
   2. Every mutator validates all its arguments before it changes anything: a raise leaves the pool
      exactly as it was.
-  3. Cost is proportional to the blocks touched: no mutator scans the pool. ``check(deep=True)`` is
-     the one full scan, for tests and diagnostics.
+  3. Cost is proportional to the blocks touched (plus a search over the distinct free-run lengths):
+     no mutator scans the pool. ``check(deep=True)`` is the one full scan, for tests and diagnostics.
   4. Single writer: the pool belongs to one rank's engine thread. It has no lock.
+  5. Contiguous runs. FREE blocks are kept as maximal runs of consecutive ids. ``allocate(n)`` takes
+     the first ``n`` blocks of the smallest run that holds them all (best fit: one NIXL descriptor per
+     session, and the big runs stay big); only when no run is long enough does it take whole runs,
+     longest first (the fewest pieces). ``retire`` merges what comes back with its free neighbours.
+     A fresh pool is one run, so it hands out 0, 1, 2, ...
 
 Invariants (checked after every mutation; a failure raises ``InvariantViolation``):
   INV-POOL-1  total == free + owned + held.
@@ -27,6 +32,7 @@ Invariants (checked after every mutation; a failure raises ``InvariantViolation`
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 from collections.abc import Hashable, Iterable
@@ -77,8 +83,13 @@ class KVPool:
         self._block_nbytes = layout.block_nbytes
         self._state = [BlockState.FREE] * layout.num_blocks
         self._owner: list[Hashable | None] = [None] * layout.num_blocks
-        # A stack popped from the end; reversed so a fresh pool hands out 0, 1, 2, ... (contiguous runs).
-        self._free = list(range(layout.num_blocks - 1, -1, -1))
+        # Rule 5: free runs as start -> length and end -> start, and the starts of each run length.
+        n = layout.num_blocks
+        self._runs: dict[int, int] = {0: n}
+        self._run_ends: dict[int, int] = {n: 0}
+        self._by_len: dict[int, dict[int, None]] = {n: {0: None}}  # length -> starts (insertion order)
+        self._lens: list[int] = [n]  # the distinct free-run lengths, ascending
+        self._num_free = n
         self._by_owner: dict[Hashable, dict[int, None]] = {}  # owner -> its OWNED and HELD blocks, in order
         self._num_owned = 0
         self._num_held = 0
@@ -144,9 +155,9 @@ class KVPool:
             raise LocalProtocolError("num_blocks must be a non-negative int", field="num_blocks", value=num_blocks)
         if owner is None:
             raise LocalProtocolError("owner must not be None", field="owner")
-        if num_blocks > len(self._free):
-            raise PoolExhausted("not enough free blocks", requested=num_blocks, free=len(self._free), owner=owner)
-        taken = tuple(self._free.pop() for _ in range(num_blocks))
+        if num_blocks > self._num_free:
+            raise PoolExhausted("not enough free blocks", requested=num_blocks, free=self._num_free, owner=owner)
+        taken = self._take(num_blocks)
         owned = self._by_owner.setdefault(owner, {})
         for block in taken:
             self._state[block] = BlockState.OWNED
@@ -192,8 +203,7 @@ class KVPool:
             self._state[block] = BlockState.FREE
             self._owner[block] = None
             del owned[block]
-        # Pushed in reverse so the next allocation of this size gets them back in the same order.
-        self._free.extend(reversed(blocks))
+        self._give_back(blocks)
         if not owned:
             del self._by_owner[owner]
         self.check()
@@ -210,19 +220,85 @@ class KVPool:
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
-            total=self.layout.num_blocks, free=len(self._free), owned=self._num_owned, held=self._num_held
+            total=self.layout.num_blocks, free=self._num_free, owned=self._num_owned, held=self._num_held
         )
+
+    def free_blocks(self) -> tuple[int, ...]:
+        """Every FREE block id, ascending (diagnostics and tests: it walks the free runs)."""
+        return tuple(b for start in sorted(self._runs) for b in range(start, start + self._runs[start]))
+
+    def free_runs(self) -> int:
+        """How many runs the FREE blocks form (1 for an unused pool; fragmentation otherwise)."""
+        return len(self._runs)
 
     def check(self, *, deep: bool = False) -> None:
         """Raise ``InvariantViolation`` if INV-POOL-1 (or, with ``deep``, INV-POOL-2) fails.
 
         Called: after every mutation (O(1)); ``deep`` scans the whole pool, for tests and diagnostics.
         """
-        stats = self.statistics()
-        if stats.total != stats.free + stats.owned + stats.held:
-            raise InvariantViolation("INV-POOL-1: total != free + owned + held", statistics=stats)
+        if self._num_free + self._num_owned + self._num_held != self.layout.num_blocks:  # no allocation
+            raise InvariantViolation("INV-POOL-1: total != free + owned + held", statistics=self.statistics())
         if deep:
-            self._check_deep(stats)
+            self._check_deep(self.statistics())
+
+    # ---- free runs (rule 5) ------------------------------------------------------------------------
+
+    def _take(self, n: int) -> tuple[int, ...]:
+        """``n`` FREE blocks (``n <= free``): the head of the best-fitting run, else whole runs."""
+        if n == 0:
+            return ()
+        i = bisect.bisect_left(self._lens, n)
+        if i < len(self._lens):
+            length = self._lens[i]
+            start = next(iter(self._by_len[length]))
+            self._drop_run(start, length)
+            if length > n:
+                self._add_run(start + n, length - n)
+            self._num_free -= n
+            return tuple(range(start, start + n))
+        out: list[int] = []
+        while len(out) < n:  # no run is long enough: the longest runs first, the last one cut
+            length = self._lens[-1]
+            start = next(iter(self._by_len[length]))
+            take = min(length, n - len(out))
+            self._drop_run(start, length)
+            if length > take:
+                self._add_run(start + take, length - take)
+            out.extend(range(start, start + take))
+        self._num_free -= n
+        return tuple(out)
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Return validated blocks to the free runs, merging with free neighbours."""
+        for start, end in _runs_of(sorted(blocks)):
+            left = self._run_ends.get(start)
+            if left is not None:  # a free run ends where this one starts
+                self._drop_run(left, start - left)
+                start = left
+            right = self._runs.get(end)
+            if right is not None:  # a free run starts where this one ends
+                self._drop_run(end, right)
+                end += right
+            self._add_run(start, end - start)
+        self._num_free += len(blocks)
+
+    def _add_run(self, start: int, length: int) -> None:
+        self._runs[start] = length
+        self._run_ends[start + length] = start
+        starts = self._by_len.get(length)
+        if starts is None:
+            starts = self._by_len[length] = {}
+            bisect.insort(self._lens, length)
+        starts[start] = None
+
+    def _drop_run(self, start: int, length: int) -> None:
+        del self._runs[start]
+        del self._run_ends[start + length]
+        starts = self._by_len[length]
+        del starts[start]
+        if not starts:
+            del self._by_len[length]
+            del self._lens[bisect.bisect_left(self._lens, length)]
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -236,8 +312,19 @@ class KVPool:
             stats.free, stats.owned, stats.held
         ):
             problems.append("state counts disagree with the counters")
-        if len(set(self._free)) != len(self._free) or any(self._state[b] is not BlockState.FREE for b in self._free):
-            problems.append("free list holds a duplicate or a non-FREE block")
+        free = self.free_blocks()
+        if len(free) != self._num_free or any(self._state[b] is not BlockState.FREE for b in free):
+            problems.append("free runs hold a duplicate, a miscount or a non-FREE block")
+        runs = sorted(self._runs.items())
+        if any(s + n >= t for (s, n), (t, _) in zip(runs, runs[1:])) or any(n <= 0 for _, n in runs):
+            problems.append("free runs overlap, touch (not merged) or are empty")
+        if {e: s for s, n in runs for e in [s + n]} != self._run_ends:
+            problems.append("free-run end index disagrees with the runs")
+        by_len = {}
+        for start, length in runs:
+            by_len.setdefault(length, set()).add(start)
+        if by_len != {k: set(v) for k, v in self._by_len.items()} or sorted(by_len) != self._lens:
+            problems.append("free-run length index disagrees with the runs")
         if len(set(indexed)) != len(indexed) or len(indexed) != stats.owned + stats.held:
             problems.append("owner index holds a duplicate or misses a block")
         for owner, blocks in self._by_owner.items():
@@ -273,3 +360,14 @@ class KVPool:
                     actual_owner=self._owner[block],
                 )
         return blocks
+
+
+def _runs_of(ordered: list[int]) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of the maximal runs of consecutive ids in an ascending list."""
+    out: list[tuple[int, int]] = []
+    for b in ordered:
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], b + 1)
+        else:
+            out.append((b, b + 1))
+    return out

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 
 class PieceKind(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     KV = "kv"
     AUX = "aux"
 
 
 class Outcome(enum.Enum):
     """A session's logical outcome. Committed once; never changes afterwards."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
 
     COMPLETED = "completed"
     CANCELLED = "cancelled"
@@ -65,6 +69,8 @@ class PostWrite(Action):
     The source KV is ready (its write-ready event completed) when this is emitted. The driver answers
     with exactly one of ``WriteSubmitted`` / ``WriteNotSubmitted`` / ``WriteSubmitFailed`` and later,
     for a submitted write, ``WriteCompleted`` or ``WriteFailed`` for the same ``op_id``.
+    ``result``: when set, the driver attaches it to the WRITE as its NIXL notification (a carried
+    frame, delivered only after the data and flush completed; ``kvown.core.sender`` rule 6).
     """
 
     op_id: int
@@ -77,6 +83,7 @@ class PostWrite(Action):
     slice_index: int
     num_slices: int
     aux_slot: int  # -1 when kind is KV
+    result: Message | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,14 @@ class Tick(Event):
 
 @dataclass(frozen=True, slots=True)
 class MessageReceived(Event):
-    """An authenticated control message, delivered in stream order by ``InboundStreams``."""
+    """An authenticated control message, delivered in stream order by ``InboundStreams``.
+
+    ``carried``: the message came as a WRITE's notification (a final SUCCESS report,
+    ``kvown.core.sender`` rule 6), outside the ordered stream, so it is ordered against nothing.
+    """
 
     envelope: Envelope
+    carried: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Rules:
 
 Memory: ids are stored per epoch as ``seq + 1`` in an open-addressing table of 32-bit slots plus one
 origin byte per slot, kept between 1/3 and 2/3 full: 7.5 to 15 bytes per fenced id. Membership is O(1)
-expected (linear probing over a multiplicative hash). ``benchmarks/bench_fence.py`` measures both.
+expected (linear probing over a multiplicative hash). ``kvown bench cost --parts fence`` measures both.
 
 Invariants:
   INV-F1: once ``is_fenced(id)`` is True it stays True until ``admissible(id)`` is False.

@@ -137,6 +137,12 @@ class RankCore(Generic[S]):
         """
         if self.fatal is not None:
             return self.fatal
+        if not self._carried and (not self._deadlines or self._deadlines[0][0] > now_ns):
+            # O(1): the heap holds every session's current deadlines (fatal ones included, after
+            # every input), so its earliest entry bounds every fatal deadline from below. The
+            # watchdog asks every <= 10 ms under the engine's lock: a scan of 10,000 sessions there
+            # would hold that lock for tens of ms. The scan below runs only when a deadline is due.
+            return None
         for request_id, session in self.sessions.items():
             deadline = self._fatal_deadline_ns(session)
             if deadline is not None and now_ns >= deadline:

@@ -35,6 +35,12 @@ Rules:
      unsolicited: ignored and counted.
   4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
+  4a. A carried report (``MessageReceived.carried``: the WRITE's own notification, sender rule 6)
+     is ordered against no control message. Arriving after that writer's SESSION_QUIESCED it is
+     stale, not a lie: NIXL sends it only once its WRITE completed, so it can announce no write in
+     flight, and the ack already proved the writer quiescent (a writer acks a cancel for a session it
+     finished at once, while the report may still be on its way). It is counted (``stale_carried``)
+     and changes nothing. On the ordered stream a result after the ack stays invalid evidence (rule 1).
   5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
      number), to every published writer not yet settled, once.
   6. Every open claim has a fail-stop deadline, and the deadline heap holds it after every input:
@@ -88,6 +94,8 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class RxState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     ACTIVE = "active"  # published; collecting evidence; no outcome yet
     DELIVERED = "delivered"  # completed: the consumer may read; waiting for release and settlement
     DRAINING = "draining"  # outcome committed; waiting for every claim to settle
@@ -96,6 +104,8 @@ class RxState(enum.Enum):
 
 
 class RxInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     CANCEL = "cancel"
     RESULT = "result"
     QUIESCED = "quiesced"
@@ -207,6 +217,9 @@ class ReceiverCore(RankCore[ReceiveSession]):
                         "result names another writer than its stream", field="writer_rank",
                         got=message.writer_rank, src_rank=event.envelope.src_rank,
                     )
+                if event.carried and self._stale_carried(message):  # rule 4a
+                    self._count("stale_carried")
+                    return
                 self._route(message.request_id, RxInput.RESULT, (message, now_ns), actions, peer=True)
             elif isinstance(message, SessionQuiesced):
                 if message.writer_rank != event.envelope.src_rank:
@@ -230,6 +243,12 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if kind is None:
             raise LocalProtocolError("event not handled by a receiver", field="event", event=type(event).__name__)
         self._route(event.request_id, kind, (event, now_ns), actions, peer=False)  # type: ignore[attr-defined]
+
+    def _stale_carried(self, message: KvResult | AuxResult) -> bool:
+        """Rule 4a guard: a carried report from a writer that already acknowledged."""
+        session = self.sessions.get(message.request_id)
+        writer = session.writers.get(message.writer_rank) if session is not None else None
+        return writer is not None and writer.acked
 
     def _route(self, request_id: int, kind: RxInput, args: tuple, actions: list[Action], *, peer: bool) -> None:
         session = self.sessions.get(request_id)

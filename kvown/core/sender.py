@@ -27,11 +27,25 @@ Rules:
      session's - is answered at once with a final FAILED result (nothing was posted), never dropped
      silently: the receiver must not wait out its timeout for a writer that already knows.
   5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
+  6. Carried results (``carry_results``). When a stream has exactly one operation, its PostWrite
+     carries that stream's whole report - ``KV_RESULT``/``AUX_RESULT`` SUCCESS with ``is_last`` - and
+     the driver hands it to NIXL as the WRITE's notification. NIXL sends a WRITE's notification only
+     after every byte and the endpoint flush completed, and never for a transfer that reported an
+     error or whose post raised (``kvown.adapters.nixl`` rule 7), so its arrival is both the data's
+     landing and the writer's quiescence for that stream. Hence, for that operation:
+       - DONE: nothing is sent on the control stream (the notification is the report), and a
+         cancel on the stream needs no SESSION_QUIESCED (the carried ``is_last`` result settles the
+         writer; an ack could overtake it and make it look like a result after the end);
+       - any other outcome (refused, in doubt, in doubt then DONE): the notification was never sent,
+         so the report goes on the control stream exactly as for an uncarried operation.
+     Only a single-operation stream carries: its report is the first and last of the stream, so it
+     can neither overtake an earlier report nor be overtaken by a later one (NIXL does not order a
+     WRITE's notification against other notifications).
 
 Invariants:
   INV-S1: PostWrite(op) only after SourceReady for its piece and never after a fence, poison or fatal.
-  INV-S2: results on a stream are emitted in piece order; SESSION_QUIESCED is the last message of
-          its (request, receiver) stream.
+  INV-S2: results on a stream are emitted in piece order; SESSION_QUIESCED, or a carried final
+          result, is the last message of its (request, receiver) stream.
   INV-S3: an IN_DOUBT operation leaves IN_DOUBT only through WriteCompleted of the same op.
 """
 
@@ -73,6 +87,8 @@ from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData,
 
 
 class OpState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     ADMITTED = "admitted"  # created; waiting for its source piece to be ready
     SUBMITTING = "submitting"  # PostWrite emitted; the driver is posting
     SUBMITTED = "submitted"  # posted; the handle is polled
@@ -82,6 +98,8 @@ class OpState(enum.Enum):
 
 
 class OpInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     POST = "post"
     REFUSE = "refuse"
     SUBMITTED = "submitted"
@@ -118,6 +136,12 @@ class Operation:
     state: OpState = OpState.ADMITTED
     was_in_doubt: bool = False
     reported_in_doubt: bool = False
+    carried: bool = False  # rule 6: its PostWrite carried the stream's report to NIXL
+
+    @property
+    def delivered_by_write(self) -> bool:
+        """Rule 6: the carried report reached the receiver with the data (DONE, never in doubt)."""
+        return self.carried and self.state is OpState.BACKEND_DONE and not self.was_in_doubt
 
     def apply(self, event: OpInput) -> None:
         nxt = OP_TRANSITIONS.get((self.state, event))
@@ -163,6 +187,14 @@ class SendSession:
         n = len(self.src_blocks)
         return slice(piece * n // self.num_pieces, (piece + 1) * n // self.num_pieces)
 
+    def has_live_ops(self) -> bool:
+        """``bool(live_ops())`` without building the list (called after every input)."""
+        for st in self.streams.values():
+            for op in st.ops:
+                if op.state in IN_FLIGHT:
+                    return True
+        return False
+
     def live_ops(self) -> list[Operation]:
         return [op for st in self.streams.values() for op in st.ops if op.state in IN_FLIGHT]
 
@@ -170,8 +202,9 @@ class SendSession:
 class SenderCore(RankCore[SendSession]):
     """One rank's send side. Sans-IO: ``handle(event, now_ns) -> actions``."""
 
-    def __init__(self, config: CoreConfig, *, max_saved: int = 65536) -> None:
+    def __init__(self, config: CoreConfig, *, max_saved: int = 65536, carry_results: bool = True) -> None:
         super().__init__(config)
+        self.carry_results = carry_results  # rule 6 (the peers' "carried_results" capability)
         self.poisoned = ""  # non-empty: an operation went in doubt; nothing is ever posted again
         self.max_saved = max_saved
         self._saved: dict[int, dict[int, RequestData]] = {}  # publications waiting for their session
@@ -320,12 +353,20 @@ class SenderCore(RankCore[SendSession]):
         if len(request.dst_blocks) != len(s.src_blocks):  # every attach path checked this (rule 4)
             raise InvariantViolation("PostWrite with a destination of another length", request_id=s.request_id,
                                      src=len(s.src_blocks), dst=len(request.dst_blocks))
+        result = None
+        if self._carries(s, op):
+            op.carried = True
+            result = _result(self.config.rank, s.request_id, op, True, ResultStatus.SUCCESS)
         if op.kind is PieceKind.AUX:
             return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, (), (),
-                             request.slice_index, request.num_slices, request.aux_slot)
+                             request.slice_index, request.num_slices, request.aux_slot, result)
         span = s.piece_blocks(op.piece)
         return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, s.src_blocks[span],
-                         request.dst_blocks[span], request.slice_index, request.num_slices, -1)
+                         request.dst_blocks[span], request.slice_index, request.num_slices, -1, result)
+
+    def _carries(self, s: SendSession, op: Operation) -> bool:
+        """Rule 6 guard: only the one operation of a single-operation stream carries its report."""
+        return self.carry_results and len(s.streams[op.receiver_rank].ops) == 1
 
     def _refuse_admitted(self, s: SendSession, stream: _Stream, actions: list[Action]) -> None:
         for op in stream.ops:
@@ -414,6 +455,8 @@ class SenderCore(RankCore[SendSession]):
             op = ops[stream.next_report]
             stream.next_report += 1
             last = stream.reported_all
+            if op.delivered_by_write:  # rule 6: the WRITE's notification carried this report
+                continue
             if op.was_in_doubt:
                 actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, last, ResultStatus.IN_DOUBT)))
                 op.reported_in_doubt = op.state is OpState.IN_DOUBT
@@ -424,7 +467,8 @@ class SenderCore(RankCore[SendSession]):
                 actions.append(SendControl(stream.request.receiver_rank, _result(me, rid, op, last, status)))
         if stream.quiesce_requested and not stream.acked and stream.quiescent():  # rule 3
             stream.acked = True
-            actions.append(SendControl(stream.request.receiver_rank, SessionQuiesced(me, rid)))
+            if not ops[-1].delivered_by_write:  # rule 6: a carried final result is the stream's end
+                actions.append(SendControl(stream.request.receiver_rank, SessionQuiesced(me, rid)))
 
     def _conclude(self, s: SendSession, outcome: Outcome, reason: str, now_ns: int, actions: list[Action]) -> None:
         if s.outcome is not None:
@@ -446,7 +490,7 @@ class SenderCore(RankCore[SendSession]):
             self._conclude(s, Outcome.COMPLETED, "every stream delivered", now_ns, actions)
         for stream in s.streams.values():
             self._flush(s, stream, actions)
-        if s.outcome is not None and not s.live_ops() and all(
+        if s.outcome is not None and not s.has_live_ops() and all(
             st.quiescent() and (st.acked or not st.quiesce_requested) for st in s.streams.values()
         ):
             del self.sessions[s.request_id]
@@ -469,7 +513,7 @@ class SenderCore(RankCore[SendSession]):
         return (s.clock.request_deadline_ns if s.outcome is None else None), self._fatal_deadline_ns(s)
 
     def _fatal_deadline_ns(self, s: SendSession) -> int | None:
-        return s.clock.fatal_deadline_ns if s.live_ops() else None
+        return s.clock.fatal_deadline_ns if s.has_live_ops() else None
 
     def _fatal_action(self, request_id: int, s: SendSession) -> FailStop:
         ops = ", ".join(f"op {op.op_id} {op.state.value} -> rank {op.receiver_rank}" for op in s.live_ops())

@@ -1,7 +1,8 @@
 """Ordered control streams: per (src_rank, dst_rank) sequence numbers, applied strictly in order.
 
 Owns: the next sequence number to send to each peer and the next one expected from each peer, plus
-the messages held while a gap is open.
+the frames held while a gap is open. A position is a frame: an ``Envelope`` (one message) or a
+``Frame`` (a batch, applied in order); ``deliver`` reads only ``src_rank``, ``dst_rank`` and ``seq``.
 
 Rules:
   1. Ordering is a protocol property: the transport may reorder (NIXL promises no notification order)
@@ -18,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvown.core.errors import PeerProtocolError
 from kvown.core.messages import Envelope, Message
 
@@ -32,10 +35,15 @@ class OutboundStreams:
         self._next: dict[int, int] = {}
 
     def stamp(self, dst_rank: int, message: Message) -> Envelope:
-        """Called: once per outgoing message, in send order, from the engine thread."""
+        """One message as one stream position. Called: in send order, from the engine thread."""
+        return Envelope(self.rank, dst_rank, self.next_seq(dst_rank), message)
+
+    def next_seq(self, dst_rank: int) -> int:
+        """Take the next position on the stream to ``dst_rank`` (one per frame; a batch frame's messages
+        share it). Called: once per outgoing frame, in send order, from the engine thread."""
         seq = self._next.get(dst_rank, 0)
         self._next[dst_rank] = seq + 1
-        return Envelope(self.rank, dst_rank, seq, message)
+        return seq
 
 
 class InboundStreams:
@@ -47,11 +55,11 @@ class InboundStreams:
         self.rank = rank
         self.max_held = max_held
         self._expected: dict[int, int] = {}
-        self._held: dict[int, dict[int, Envelope]] = {}
+        self._held: dict[int, dict[int, Any]] = {}
         self.duplicates = 0  # rejected duplicates and replays (rule 2)
 
-    def deliver(self, envelope: Envelope) -> list[Envelope]:
-        """Accept one authenticated envelope; return the envelopes now deliverable in order.
+    def deliver(self, envelope: Any) -> list[Any]:
+        """Accept one authenticated envelope or frame; return those now deliverable, in order.
 
         Called: once per received frame, from the engine thread.
         After error: nothing changed; the stream continues.

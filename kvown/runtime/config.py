@@ -50,6 +50,8 @@ class TransferConfig:
     metrics_port: int = field(default_factory=lambda: _port_from_env("KVOWN_METRICS_PORT"))
     canary: bool = False  # stamp retired blocks and verify them before reuse (kvown.cache.canary)
     control_retry_s: float = 1.0  # resend a control frame whose send raised for this long, then fail-stop
+    # A single-operation stream's report rides on its WRITE as the NIXL notification (sender rule 6).
+    carry_results: bool = True
 
     def __post_init__(self) -> None:
         timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")
@@ -61,6 +63,8 @@ class TransferConfig:
                 raise ConfigError("must be a positive integer", field=name, value=value)
         if type(self.metrics_port) is not int or not (0 <= self.metrics_port < 65536):
             raise ConfigError("metrics_port must be 0 (off) or a TCP port", field="metrics_port", value=self.metrics_port)
+        if not isinstance(self.carry_results, bool):
+            raise ConfigError("carry_results must be True or False", field="carry_results", value=self.carry_results)
         if not isinstance(self.canary, bool):
             raise ConfigError("canary must be True or False", field="canary", value=self.canary)
         if self.fault is not None and not isinstance(self.fault, str):

@@ -9,16 +9,25 @@ Two homes, one code: the engine thread calls ``step(now_ns)`` in production
 fault-injecting transport and the real ``KVPool`` (``kvown.testing.sim``).
 
 Rules:
-  1. ``step(now_ns)`` takes everything that arrived - commands, frames, write statuses, ready
-     tokens, due deadlines - turns each into one core event, and executes each batch of actions in
-     order before the next event. It never blocks, sleeps, reads a clock or starts a thread.
-  2. Each action is one call into one adapter (``transport.send``, ``transport.write``,
-     ``pool.retire``) or one handle update.
+  1. ``step(now_ns)`` takes everything that arrived - every queued command, every frame, the status
+     of every WRITE in flight (and only those), every ready token not yet reported, due deadlines -
+     turns each into one core event, and executes each batch of actions in order before the next
+     event. It never blocks, sleeps, reads a clock or starts a thread.
+  2. Each action is one call into one adapter (``transport.write``, ``pool.retire``) or one handle
+     update, with one exception that saves a frame per message: ``SendControl`` only queues its
+     message for its peer, and at the end of the step every peer's queue leaves as one frame (a batch;
+     messages in action order, split only below the frame cap) - one stream position, one
+     ``transport.send``, one HMAC.
   3. Ordered streams never keep a hole. A frame is stamped once; a send that raised may or may not
      have been delivered, so the same sealed frame is resent on every step (later frames to that peer
      queue behind it) until one send goes through - the receiver drops a duplicate by its sequence
      number. If none goes through within ``control_retry_s`` the rank fail-stops at once
      (CONTROL_LOST), naming the peer. A REQUEST_DATA is therefore always "published".
+  3a. A ``PostWrite`` with a ``result`` (``kvown.core.sender`` rule 6) posts its WRITE with that result
+     sealed as a carried frame, the WRITE's own NIXL notification. Carried frames are outside the
+     ordered streams (a WRITE that never completes holds back nobody's control frames); a receiver
+     hands each to its core once (a copy of a report the core already counted is dropped and counted,
+     never disputed).
   4. A write handle that reported ERROR, or whose post raised, is in doubt: it is never released and
      is polled until DONE (late settlement) or the world dies.
   5. Bad peer input (unknown agent, forged, malformed, replayed or misaddressed frames, impossible
@@ -29,7 +38,13 @@ Rules:
   7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``
      and ``statistics``. The cores are read and written only under ``lock``, which ``step`` holds
      just while a core handles one event (never during I/O).
-  8. ``probe`` (default None: one attribute test, nothing else) is the one test hook in this file:
+  8. The hot path formats nothing and scans nothing that does not move: the flight recorder gets
+     integer event codes and plain values (``FlightRecorder.note``); a ready token that is ready when
+     its send opens is reported at once and never polled, and the others are queried round robin, at
+     most ``TOKEN_POLL_BUDGET`` sends per step (with P sends waiting for their producer, a ready token
+     is seen within ceil(P / 256) steps), so a step's cost does not grow with the live sessions; a
+     WRITE handle is polled only while it is in flight.
+  9. ``probe`` (default None: one attribute test, nothing else) is the one test hook in this file:
      ``probe("retire", request_id)`` is called in the middle of a retirement - the pool already holds
      the blocks as free, their canaries are not stamped and the API has not been told - the one
      protocol point no transport call shows. ``kvown.rank`` sets it only with ``TransferConfig.fault``
@@ -53,7 +68,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from kvown.adapters import codec
+from kvown.adapters.codec import FrameCodec
 from kvown.adapters.nixl import XferStatus
 from kvown.adapters.transport import InDoubt, NotPosted, Posted, Role, Transport
 from kvown.cache.canary import Canaries
@@ -92,7 +107,7 @@ from kvown.core.events import (
     WriteSubmitted,
 )
 from kvown.core.machine import RankCore
-from kvown.core.messages import CancelSession, RequestData, Watermark
+from kvown.core.messages import MAX_BATCH, Envelope, AuxResult, CancelSession, Frame, KvResult, Message, RequestData, Watermark
 from kvown.core.receiver import ReceiverCore
 from kvown.core.sender import SenderCore
 from kvown.core.streams import InboundStreams, OutboundStreams
@@ -110,11 +125,25 @@ from kvown.runtime.commands import (
     SetWatermark,
 )
 from kvown.runtime.config import TransferConfig
-from kvown.runtime.flight import FlightRecorder
+from kvown.runtime.flight import FlightRecorder, event_code
+
+# Flight-recorder event codes of the hot path (module rule 8); the field names appear only in dumps.
+EV_SEND = event_code("send", "dst", "seq", "msgs")
+EV_RECV = event_code("recv", "msg", "src", "seq", "index")
+EV_RECV_CARRIED = event_code("recv_carried", "msg", "src", "piece")
+EV_POST = event_code("post", "op", "dst", "carried")
+EV_OPEN_SEND = event_code("open_send", "pieces")
+EV_OPEN_RECEIVE = event_code("open_receive", "writers")
+EV_CANCEL = event_code("cancel", "role")
+EV_CONCLUDE = event_code("conclude", "outcome", "reason")
+EV_RETIRE = event_code("retire", "blocks")
+FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
+TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
 
 
 class _Outgoing:
-    """Stamped frames to one peer that still have to reach the transport (rule 3)."""
+    """Stamped frames to one peer that still have to reach the transport (rule 3). ``what`` names the
+    frame's messages for the CONTROL_LOST report."""
 
     __slots__ = ("frames", "since_ns", "failures")
 
@@ -160,9 +189,11 @@ class Driver:
         self.recorder = recorder
         self.on_fail_stop = on_fail_stop
         self.lock: ContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
+        self.codec = FrameCodec(key)
         core_config = config.core_config(rank, peers)
-        self.sender = SenderCore(core_config) if Role.SENDER in roles else None
+        self.sender = SenderCore(core_config, carry_results=config.carry_results) if Role.SENDER in roles else None
         self.receiver = ReceiverCore(core_config) if Role.RECEIVER in roles else None
+        self._core_list = [c for c in (self.sender, self.receiver) if c is not None]
         self.inbox: collections.deque[Command] = collections.deque()  # append/popleft are atomic
         self.out = OutboundStreams(rank)
         self.inn = InboundStreams(rank)
@@ -173,15 +204,19 @@ class Driver:
         self._retry_ns = int(config.control_retry_s * 1e9)
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
         self._unsent: dict[int, _Outgoing] = {}
+        self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
+        self.batch_frames = True  # rule 2; False sends one frame per message (benchmarks compare the two)
         self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
         self._in_doubt: set[int] = set()  # op ids whose post raised or whose handle reported ERROR
         self._unreleased: list[Any] = []  # DONE handles whose release failed: retried each step
         self._sends: dict[int, _SendState] = {}
+        self._pending_tokens: dict[int, _SendState] = {}  # sends with a piece not yet ready (rule 8)
         self._recvs: dict[int, ReceiveHandle] = {}
         self._local_copies: dict[int, tuple[int, Any]] = {}  # token id -> (request id, ready token)
+        self._carried_seen: dict[int, set[tuple[int, Any, int]]] = {}  # rid -> carried reports handed over
         self._next_local = 0
         self._aux_free = list(range(config.aux_slots - 1, -1, -1))
-        self.probe: Callable[[str, int], None] | None = None  # rule 8: tests only
+        self.probe: Callable[[str, int], None] | None = None  # rule 9: tests only
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -248,24 +283,30 @@ class Driver:
             return False
         self._now_ns = now_ns
         try:
-            moved = self._take_commands()
+            moved = self._take_commands() if self.inbox else False
             moved |= self._take_frames()
-            moved |= self._poll_writes()
-            moved |= self._poll_tokens()
-            moved |= self._resend()
-            for core in self._cores():
+            if self._writes or self._unreleased:
+                moved |= self._poll_writes()
+            if self._pending_tokens or self._local_copies:
+                moved |= self._poll_tokens()
+            if self._unsent:
+                moved |= self._resend()
+            for core in self._core_list:
                 deadline = core.next_deadline_ns()
                 if deadline is not None and now_ns >= deadline:
                     self._events.append((core, Tick()))
-            moved |= bool(self._events)
-            self._pump()
+            if self._events:
+                moved = True
+                self._pump()
+            if self._outbox:
+                self._flush_outbox()
         except InvariantViolation as exc:  # rule 6
             self._fail_stop(_invariant_fail_stop(exc))
             return True
         return moved
 
     def _cores(self) -> list[RankCore]:
-        return [c for c in (self.sender, self.receiver) if c is not None]
+        return self._core_list
 
     def _pump(self) -> None:
         """Feed queued events to their core, executing each batch of actions before the next event."""
@@ -312,10 +353,13 @@ class Driver:
                     view.zero_()
                     view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
                 command.handle.opened_ns = now
-                self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
-                self.recorder.record("open_send", rid, pieces=len(command.tokens))
+                state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
+                self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
                 self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
                                                             command.num_receivers)))
+                self._report_ready(rid, state)  # rule 8: a token ready now is never polled
+                if any(t is not None for t in state.tokens):
+                    self._pending_tokens[rid] = state
             case Receive(request_id=rid):
                 if not command.ticket.take():
                     self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
@@ -326,7 +370,7 @@ class Driver:
                 handle = self._recvs.get(rid) if role is Role.RECEIVER else None
                 if handle is not None and not handle.cancelled_ns:
                     handle.cancelled_ns = now
-                self.recorder.record("cancel", rid, role=role.value)
+                self.recorder.note(EV_CANCEL, rid, role.value)
                 if core is not None:
                     self._events.append((core, CancelRequested(rid)))
             case Release(request_id=rid):
@@ -383,7 +427,7 @@ class Driver:
         handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now, on_done=command.on_done)
         self._recvs[rid] = handle
         ticket.future.set_result(handle)
-        self.recorder.record("open_receive", rid, writers=list(command.writers))
+        self.recorder.note(EV_OPEN_RECEIVE, rid, command.writers)
         self._events.append((self.receiver, OpenReceive(rid, blocks, command.writers, command.num_slices, aux_slot)))
 
     # ---- frames --------------------------------------------------------------------------------
@@ -395,57 +439,105 @@ class Driver:
             self.stats["receive_errors"] += 1
             self.recorder.record("receive_error", None, error=str(exc))
             return True
-        for src, frame in arrived:
-            self._frame(src, frame)
-        return bool(arrived)
+        if not arrived:
+            return False
+        for src, data in arrived:
+            self._frame(src, data)
+        return True
 
-    def _frame(self, src: int | None, frame: bytes) -> None:
+    def _frame(self, src: int | None, data: bytes) -> None:
         try:
             if src is None:
                 raise PeerProtocolError("notification from an unknown agent", field="agent")
-            envelope = codec.decode(frame, self.key)
-            if envelope.src_rank != src:
+            frame = self.codec.decode(data)
+            if frame.src_rank != src:
                 raise PeerProtocolError("frame claims another source rank", field="src_rank",
-                                        got=envelope.src_rank, transport=src)
-            delivered = self.inn.deliver(envelope)
+                                        got=frame.src_rank, transport=src)
+            if frame.carried:
+                if frame.dst_rank != self.rank:
+                    raise PeerProtocolError("carried frame addressed to another rank", field="dst_rank",
+                                            got=frame.dst_rank, want=self.rank)
+                self._carried(src, frame.messages[0])
+                return
+            delivered = self.inn.deliver(frame)
         except PeerProtocolError as exc:  # rule 5
             self.stats["rejected_frames"] += 1
             self.stats[f"rejected_{getattr(exc, 'field', 'frame')}"] += 1
             self.recorder.record("frame_rejected", None, src=src, error=str(exc))
             return
-        for env in delivered:
-            message = env.message
-            self.recorder.record("recv", getattr(message, "request_id", None), msg=message.KIND.name,
-                                 src=env.src_rank, seq=env.seq)
-            if isinstance(message, Watermark):
-                targets = self._cores()
-            else:
-                core = self.sender if isinstance(message, (RequestData, CancelSession)) else self.receiver
-                targets = [core] if core is not None else []
-            if not targets:
-                self.stats["rejected_frames"] += 1
-                self.recorder.record("frame_rejected", None, error=f"{message.KIND.name} for a rank without that role")
-            for core in targets:
-                self._events.append((core, MessageReceived(env)))
+        for f in delivered:
+            for index, message in enumerate(f.messages):
+                self.recorder.note(EV_RECV, getattr(message, "request_id", None), message.KIND, f.src_rank, f.seq,
+                                   index)
+                event = MessageReceived(Envelope(f.src_rank, f.dst_rank, f.seq, message))
+                if isinstance(message, (RequestData, CancelSession)):
+                    core = self.sender
+                elif isinstance(message, Watermark):
+                    for core in self._core_list:
+                        self._events.append((core, event))
+                    continue
+                else:
+                    core = self.receiver
+                if core is None:
+                    self.stats["rejected_frames"] += 1
+                    self.recorder.record("frame_rejected", None, error=f"{message.KIND.name} for a rank without that role")
+                    continue
+                self._events.append((core, event))
+
+    def _carried(self, src: int, message: Message) -> None:
+        """Rule 3a: a WRITE's notification (a final SUCCESS result; ``frame_from_wire`` checked that)."""
+        assert isinstance(message, (KvResult, AuxResult))
+        rx = self.receiver
+        if rx is None:
+            raise PeerProtocolError("carried result for a rank without the receiver role", field="carried")
+        rid = message.request_id
+        key = (src, message.KIND, message.piece)
+        seen = self._carried_seen.get(rid)
+        if seen is not None and key in seen:  # a copy of a report already handed to the core
+            self.stats["duplicate_carried"] += 1
+            return
+        if rid not in rx.sessions:  # retired (a late copy) or never ours: the core would refuse it too
+            self.stats["stale_carried"] += 1
+            return
+        if seen is None:  # remembered until the session retires
+            seen = self._carried_seen[rid] = set()
+        seen.add(key)
+        self.recorder.note(EV_RECV_CARRIED, rid, message.KIND, src, message.piece)
+        self._events.append((rx, MessageReceived(Envelope(src, self.rank, 0, message), carried=True)))
 
     # ---- control sends (rule 3) -----------------------------------------------------------------
 
-    def _send(self, dst: int, message: Any) -> None:
-        envelope = self.out.stamp(dst, message)
-        frame = codec.encode(envelope, self.key)
-        what = f"{message.KIND.name} seq {envelope.seq}"
-        self.recorder.record("send", getattr(message, "request_id", None), msg=message.KIND.name, dst=dst,
-                             seq=envelope.seq)
+    def _flush_outbox(self) -> None:
+        """Rule 2: every peer's messages of this step leave as one frame (split below the frame cap)."""
+        outbox, self._outbox = self._outbox, {}
+        for dst, messages in outbox.items():
+            if not self.batch_frames:
+                for message in messages:
+                    self._send_frame(dst, [message])
+                continue
+            start, size = 0, 0
+            for i, message in enumerate(messages):
+                size += FrameCodec.message_nbytes(message)
+                if i > start and (size > FRAME_BUDGET_NBYTES or i - start >= MAX_BATCH):
+                    self._send_frame(dst, messages[start:i])
+                    start, size = i, FrameCodec.message_nbytes(message)
+            self._send_frame(dst, messages[start:])
+
+    def _send_frame(self, dst: int, messages: list[Message]) -> None:
+        seq = self.out.next_seq(dst)
+        frame = self.codec.encode(self.rank, dst, seq, messages)
+        self.recorder.note(EV_SEND, getattr(messages[0], "request_id", None), dst, seq, len(messages))
         pending = self._unsent.get(dst)
         if pending is not None:  # earlier frames to dst are still waiting: keep the stream in order
-            pending.frames.append((frame, what))
+            pending.frames.append((frame, _what(seq, messages)))
             return
         try:
             self.transport.send(dst, frame)
             self.stats["control_sent"] += 1
+            self.stats["control_messages"] += len(messages)
         except AdapterError as exc:  # delivered or not: nobody knows, so it will be sent again
             pending = self._unsent[dst] = _Outgoing(self._now_ns)
-            pending.frames.append((frame, what))
+            pending.frames.append((frame, _what(seq, messages)))
             self._note_send_failure(dst, pending, exc)
 
     def _resend(self) -> bool:
@@ -489,38 +581,56 @@ class Driver:
             except KvownError:
                 self.stats["release_failures"] += 1
         for op_id, handle in list(self._writes.items()):
-            status = self.transport.poll(handle)
-            if status is XferStatus.IN_PROGRESS:
-                continue
-            if status is XferStatus.DONE:
-                moved = True
-                del self._writes[op_id]
-                self._in_doubt.discard(op_id)
-                try:
-                    self.transport.release(handle)
-                except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
-                    self.stats["release_failures"] += 1
-                    self._unreleased.append(handle)
-                self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
-            elif op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
-                moved = True
-                self._in_doubt.add(op_id)
-                self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+            moved |= self._check_write(op_id, handle)
         return moved
+
+    def _check_write(self, op_id: int, handle: Any) -> bool:
+        """Poll one WRITE in flight; turn DONE or a first ERROR into its one core event."""
+        status = self.transport.poll(handle)
+        if status is XferStatus.IN_PROGRESS:
+            return False
+        if status is XferStatus.DONE:
+            del self._writes[op_id]
+            self._in_doubt.discard(op_id)
+            try:
+                self.transport.release(handle)
+            except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
+                self.stats["release_failures"] += 1
+                self._unreleased.append(handle)
+            self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
+            return True
+        if op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
+            self._in_doubt.add(op_id)
+            self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+            return True
+        return False
 
     def _poll_tokens(self) -> bool:
         moved = False
-        for token_id, (request_id, token) in list(self._local_copies.items()):
-            if token.query():  # the event recorded after the local copy completed: evidence
-                del self._local_copies[token_id]
-                moved = True
-                self._events.append((self.receiver, LocalCompletionDone(request_id, token_id)))  # type: ignore[arg-type]
-        for request_id, state in list(self._sends.items()):
-            for piece, token in enumerate(state.tokens):
-                if token is not None and token.query():
-                    state.tokens[piece] = None
+        if self._local_copies:
+            for token_id, (request_id, token) in list(self._local_copies.items()):
+                if token.query():  # the event recorded after the local copy completed: evidence
+                    del self._local_copies[token_id]
                     moved = True
-                    self._events.append((self.sender, SourceReady(request_id, piece)))  # type: ignore[arg-type]
+                    self._events.append((self.receiver, LocalCompletionDone(request_id, token_id)))  # type: ignore[arg-type]
+        pending = self._pending_tokens
+        for _ in range(min(len(pending), TOKEN_POLL_BUDGET)):  # rule 8: round robin, bounded per step
+            request_id = next(iter(pending))
+            state = pending.pop(request_id)
+            if self._sends.get(request_id) is not state:
+                continue
+            moved |= self._report_ready(request_id, state)
+            if any(t is not None for t in state.tokens):
+                pending[request_id] = state  # to the back of the line
+        return moved
+
+    def _report_ready(self, request_id: int, state: _SendState) -> bool:
+        moved = False
+        for piece, token in enumerate(state.tokens):
+            if token is not None and token.query():
+                state.tokens[piece] = None
+                moved = True
+                self._events.append((self.sender, SourceReady(request_id, piece)))  # type: ignore[arg-type]
         return moved
 
     # ---- actions -------------------------------------------------------------------------------
@@ -531,7 +641,11 @@ class Driver:
                 return
             match action:
                 case SendControl(dst_rank=dst, message=message):
-                    self._send(dst, message)
+                    queue = self._outbox.get(dst)
+                    if queue is None:
+                        self._outbox[dst] = [message]
+                    else:
+                        queue.append(message)
                 case PostWrite():
                     self._post(action)
                 case Deliver(request_id=rid):
@@ -545,6 +659,7 @@ class Driver:
                     self._retire(rid)
                 case ReleaseSource(request_id=rid):
                     state = self._sends.pop(rid, None)
+                    self._pending_tokens.pop(rid, None)
                     if state is not None:
                         if state.aux_slot >= 0:
                             self._aux_free.append(state.aux_slot)
@@ -564,12 +679,19 @@ class Driver:
     def _post(self, action: PostWrite) -> None:
         """One PostWrite, one transport call, exactly one submit event back (rule 2)."""
         state = self._sends.get(action.request_id)
-        outcome = self.transport.write(action, state.aux_slot if state is not None else -1)
+        notif = None
+        if action.result is not None:  # rule 3a: the WRITE carries its report
+            notif = self.codec.encode_carried(self.rank, action.receiver_rank, action.result)
+        self.recorder.note(EV_POST, action.request_id, action.op_id, action.receiver_rank, notif is not None)
+        outcome = self.transport.write(action, state.aux_slot if state is not None else -1, notif)
         match outcome:
             case Posted(handle=handle, nbytes=nbytes):
                 self._writes[action.op_id] = handle
                 self.stats["bytes_written"] += nbytes
                 self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
+                # One poll at once: a WRITE that completed inside the post (UCX cma copies there) is
+                # reported DONE in this step, not one step later (DONE from the post is the same proof).
+                self._check_write(action.op_id, handle)
             case NotPosted(reason=reason):
                 self._events.append((self.sender, WriteNotSubmitted(action.op_id, reason)))  # type: ignore[arg-type]
             case InDoubt(handle=handle, reason=reason):
@@ -579,7 +701,7 @@ class Driver:
 
     def _conclude(self, core: RankCore, action: Conclude) -> None:
         rid = action.request_id
-        self.recorder.record("conclude", rid, outcome=action.outcome.value, reason=action.reason)
+        self.recorder.note(EV_CONCLUDE, rid, action.outcome.value, action.reason)
         if core is self.sender:
             self.stats[f"send_{action.outcome.value}"] += 1
             state = self._sends.get(rid)
@@ -593,24 +715,26 @@ class Driver:
             handle.outcome.set_result(action.outcome)
 
     def _retire(self, rid: int) -> None:
+        self._carried_seen.pop(rid, None)
         handle = self._recvs.pop(rid, None)
         if handle is None:
             return
         self.pool.retire(handle.blocks, owner=rid)
-        if self.probe is not None:  # rule 8
+        if self.probe is not None:  # rule 9
             self.probe("retire", rid)
         if self.canaries is not None:
             self.canaries.fill(handle.blocks)
         if handle.aux_slot >= 0:
             self._aux_free.append(handle.aux_slot)
         handle.retired_ns = self._now_ns
-        self.recorder.record("retire", rid, blocks=len(handle.blocks))
+        self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)
+            self._pending_tokens.pop(action.request_id, None)
             if state is not None:
                 if state.aux_slot >= 0:
                     self._aux_free.append(state.aux_slot)
@@ -654,6 +778,12 @@ class Driver:
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The aux payload of a landed request. Called: by the consumer after ``landed`` (any thread)."""
         return bytes(self._aux_view(handle.aux_slot).numpy())
+
+
+def _what(seq: int, messages: list[Message]) -> str:
+    """A frame's description for the CONTROL_LOST report (computed only when a send failed)."""
+    names = ", ".join(m.KIND.name for m in messages[:4]) + (", ..." if len(messages) > 4 else "")
+    return f"{names} seq {seq}"
 
 
 def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:

@@ -4,11 +4,15 @@ Owns: the per-rank event ring and the dump file format (JSON lines); ``kvown ins
 (``kvown.apps.inspect``) reads it.
 
 Rules:
-  1. ``record`` is cheap and safe from any thread: one clock read, one tuple, one ``deque.append``
-     (atomic under the GIL, and the ring drops its oldest event when full). It never logs, never
-     blocks and never raises on odd detail values (they are ``repr``'d at dump time, not here).
+  1. Recording is cheap and safe from any thread. The ring is a list preallocated at ``capacity``
+     slots; a record takes one slot index from a counter (``itertools.count``: atomic under the GIL),
+     one clock read and one tuple store. Nothing is formatted on the hot path: ``note(code, rid, a,
+     b, c, d)`` stores up to four plain values under an integer event code whose field names live in
+     ``EVENT_FIELDS``; ``record(kind, rid, **detail)`` (cold paths) stores the detail dict as given.
+     Odd detail values are ``repr``'d at dump time, never here; recording never logs, blocks or raises.
   2. ``dump`` never uses ``logging`` (the fail-stop path may run while a logger is wedged) and takes
-     no lock that ``record`` holds: it copies the ring with ``deque.copy`` (one C call under the GIL).
+     no lock that recording holds: it copies the ring (one C-level list copy under the GIL) and
+     formats the copy.
   3. The dump is written in order header, events (oldest first), stacks, so a dump cut short by the
      kill still starts with the reason.
 
@@ -26,7 +30,8 @@ File format (one JSON object per line):
 
 from __future__ import annotations
 
-import collections
+import enum
+import itertools
 import json
 import os
 import sys
@@ -74,8 +79,34 @@ def thread_stacks() -> list[dict[str, Any]]:
     return stacks
 
 
+# Hot-path event codes (``note``): code -> (kind, names of the positional values a, b, c, d).
+EVENT_FIELDS: dict[int, tuple[str, tuple[str, ...]]] = {}
+
+
+def event_code(kind: str, *names: str) -> int:
+    """Register a hot-path event kind once (module import time); returns its code for ``note``."""
+    for code, (k, n) in EVENT_FIELDS.items():
+        if k == kind:
+            if n != names:
+                raise ValueError(f"event {kind!r} registered twice with different fields")
+            return code
+    code = len(EVENT_FIELDS) + 1
+    EVENT_FIELDS[code] = (kind, names)
+    return code
+
+
+def _entry(e: tuple) -> tuple[int, str, int | None, dict[str, Any]]:
+    """Format one stored entry (off the hot path): ``(t_ns, kind, request_id, detail)``; an enum value
+    (a message kind, an outcome) reads as its name."""
+    _, t_ns, code, rid, a, b, c, d = e
+    if type(code) is int:
+        kind, names = EVENT_FIELDS[code]
+        return t_ns, kind, rid, {n: v.name if isinstance(v, enum.Enum) else v for n, v in zip(names, (a, b, c, d))}
+    return t_ns, code, rid, a  # record(): the kind string and its detail dict
+
+
 class FlightRecorder:
-    """Bounded ring of recent protocol events of one rank."""
+    """Bounded ring of recent protocol events of one rank (module rules 1 and 2)."""
 
     def __init__(
         self,
@@ -84,30 +115,67 @@ class FlightRecorder:
         capacity: int = DEFAULT_CAPACITY,
         clock_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
+        if type(capacity) is not int or capacity <= 0:
+            raise ValueError("capacity must be a positive int")
         self.rank = rank
         self.capacity = capacity
         self._clock_ns = clock_ns
-        self._ring: collections.deque[tuple[int, str, int | None, dict[str, Any]]] = collections.deque(
-            maxlen=capacity
-        )
-        self._recorded = 0  # racy counter, only used to report how many events fell out
+        self._ring: list[Any] = [None] * capacity  # slot i % capacity holds event number i
+        self._count = itertools.count()
+        self._last = -1  # number of the newest event: a hint for ``events_since`` (racy across threads)
+
+    def note(self, code: int, request_id: int | None, a: Any = None, b: Any = None, c: Any = None,
+             d: Any = None) -> None:
+        """Append one hot-path event: ``code`` from ``event_code`` and up to four plain values.
+
+        Called: per protocol event on the engine thread (and from any thread). Costs one counter step,
+        one clock read and one tuple store; nothing is formatted. After error: cannot fail.
+        """
+        i = next(self._count)
+        self._ring[i % self.capacity] = (i, self._clock_ns(), code, request_id, a, b, c, d)
+        self._last = i
 
     def record(self, kind: str, request_id: int | None, **detail: Any) -> None:
-        """Append one event (e.g. ``record("publish", 7, dst_rank=1, deadline_ns=...)``).
+        """Append one event with a free-form detail (``record("publish", 7, dst_rank=1)``).
 
-        Called: often, from any thread (engine, pollers). Cheap: one clock read and one append.
-        After error: cannot fail short of MemoryError.
+        Called: on cold paths (errors, fail-stops, tests), any thread. After error: cannot fail short
+        of MemoryError.
         """
-        self._ring.append((self._clock_ns(), kind, request_id, detail))
-        self._recorded += 1
+        i = next(self._count)
+        self._ring[i % self.capacity] = (i, self._clock_ns(), kind, request_id, detail, None, None, None)
+        self._last = i
+
+    @property
+    def recorded(self) -> int:
+        """How many events were recorded since the start (kept or dropped). Read off the ring (the
+        newest slot's event number), so the hot path keeps no second counter."""
+        return 1 + max((e[0] for e in self._ring.copy() if e is not None), default=-1)
 
     def events(self) -> list[tuple[int, str, int | None, dict[str, Any]]]:
-        """A snapshot of the ring, oldest first. Called: by dumps and tests, any thread."""
-        return list(self._ring.copy())
+        """Every event in the ring, oldest first, as ``(t_ns, kind, request_id, detail)``.
+
+        Called: by dumps and tests, any thread (formats here, off the hot path).
+        """
+        snapshot = self._ring.copy()  # rule 2: one C-level copy; records racing it land in the ring
+        return [_entry(e) for e in sorted((e for e in snapshot if e is not None), key=lambda e: e[0])]
+
+    def events_since(self, number: int) -> tuple[int, list[tuple[int, str, int | None, dict[str, Any]]]]:
+        """``(next_number, events numbered >= number still in the ring)``, oldest first.
+
+        Called: by a reader that follows the ring step by step on the recording thread (the simulator's
+        oracles); cost is proportional to the new events, not to the capacity.
+        """
+        hi = self._last + 1
+        out = []
+        for i in range(max(number, hi - self.capacity), hi):
+            e = self._ring[i % self.capacity]
+            if e is not None and e[0] == i:
+                out.append(_entry(e))
+        return max(hi, number), out
 
     @property
     def dropped(self) -> int:
-        return max(0, self._recorded - len(self._ring))
+        return max(0, self.recorded - self.capacity)
 
     def dump(
         self,

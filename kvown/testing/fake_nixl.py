@@ -16,7 +16,10 @@ Rules:
      to us until its metadata is loaded again.
   3. Completion is driven by the initiator's polls (``delay_polls``); late landings and delayed
      notifications are driven by *ticks*: every call on any fake agent of a fabric is one tick.
-  4. A WRITE's notification is delivered only when the WRITE reports DONE (after its bytes landed).
+  4. A WRITE's notification is delivered only when the WRITE reports DONE (after its bytes landed),
+     and never for a WRITE that reported ERR or whose post raised - what NIXL's UCX backend does
+     (``kvown.adapters.nixl`` rule 7). Real NIXL may deliver it one status check before DONE; the fake
+     delivers both in one call, which only narrows the window (safety never depends on the gap).
   5. Fault knobs (``WriteFault``, ``NotifFault``) are consumed in FIFO order by the first matching
      post / notification; each applies ``count`` times.
 
@@ -348,8 +351,8 @@ class _FakeAgent:
                           notif: bytes = b"") -> _Xfer:
         self.fabric._tick()
         assert op == "WRITE" and rp.agent is not None
-        lrows = [lp.rows[i] for i in li.tolist()]
-        rrows = [rp.rows[i] for i in ri.tolist()]
+        lrows = [lp.rows[i] for i in (li.tolist() if hasattr(li, "tolist") else li)]  # NIXL takes either
+        rrows = [rp.rows[i] for i in (ri.tolist() if hasattr(ri, "tolist") else ri)]
         self._check_sides(lrows, rrows, rp.agent)
         return self._new_xfer(lrows, rrows, rp.agent, notif)
 
@@ -401,7 +404,8 @@ class _FakeAgent:
         _land(x)  # INV-FAKE-1: DONE means every byte is in place
         self.fabric._ghosts = [g for g in self.fabric._ghosts if g[1] is not x]
         x.finished = True
-        if x.notif:
+        errored = x.failed_seen or x.err_seen or x.fault.at is not FaultPoint.NONE
+        if x.notif and not errored:  # rule 4: NIXL drops the notification of a transfer that errored
             self.fabric._deliver(x.src, x.dst, x.notif, self.fabric._take_notif_fault(x.src, x.dst))
 
     def release_xfer_handle(self, x: _Xfer) -> None:

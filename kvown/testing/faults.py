@@ -33,15 +33,16 @@ Crash points (``CRASH_POINTS``), named by what this rank's transport sees, never
   before-publish   a REQUEST_DATA is about to be sent (receiver; the blocks are allocated, unpublished)
   request-data     a REQUEST_DATA was just sent (receiver; the writer may write from now on)
   write-posted     a WRITE was posted (sender; bytes may be on the wire)
-  write-done       a WRITE reported DONE, before the driver saw it (sender; no KV_RESULT can follow)
-  kv-result-sent   a KV_RESULT was just sent (sender)
+  write-done       a WRITE reported DONE, before the driver saw it (sender; a result carried by the
+                   WRITE as its notification has left with it, an ordered KV_RESULT frame has not)
+  kv-result-sent   a KV_RESULT was just sent, in a control frame or carried by its WRITE (sender)
   cancel-sent      a CANCEL_SESSION was just sent (receiver)
   quiesced-sent    a SESSION_QUIESCED was just sent (sender)
   retire           the driver is retiring a destination: the pool holds its blocks as free, their
                    canaries are not stamped yet and the API has not heard (receiver; through the
                    driver's ``probe`` hook, which ``kvown.rank`` points at ``FaultyTransport.probe``)
-The wrapper reads a frame's kind from its msgpack body (its own frames: no key needed), and only
-when the plan names a frame crash point.
+The wrapper reads a frame's kinds from its msgpack body (its own frames, single or batch: no key
+needed), and only when the plan names a frame crash point; a batch fires the first point its messages name.
 
 Rules:
   1. Time comes from the injected ``clock`` (the simulator's, or ``time.monotonic_ns``); nothing
@@ -50,6 +51,11 @@ Rules:
   2. A fault never lies about safety-relevant physics: a WRITE reported DONE really completed below
      (the wrapper polls the inner transport before saying DONE), and a "post raised" WRITE is really
      on the wire.
+  3. A WRITE's notification (a carried result) follows the WRITE's injected fate, as NIXL's does its
+     transfer (``kvown.adapters.nixl`` rule 7): the inner WRITE is posted without it, and the wrapper
+     sends it itself when it first reports DONE for that handle - never for a WRITE that is stuck,
+     reported ERROR, or whose post "raised". So a slow WRITE's report arrives when the WRITE is seen
+     done, not when the real copy below happened to finish.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from kvown.adapters.nixl import XferStatus
 from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome
 from kvown.core.actions import PostWrite
 from kvown.core.errors import AdapterError, ConfigError
-from kvown.core.messages import TAG_NBYTES, ControlKind
+from kvown.core.messages import FRAME_BATCH, TAG_NBYTES, ControlKind
 
 CRASH_POINTS = ("before-publish", "request-data", "write-posted", "write-done", "kv-result-sent",
                 "cancel-sent", "quiesced-sent", "retire")
@@ -88,14 +94,30 @@ def sigkill_self(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def frame_kind(frame: bytes) -> ControlKind | None:
-    """The kind of one of our own sealed frames (read from the msgpack body; the tag is not checked)."""
+def frame_kinds(frame: bytes) -> tuple[ControlKind, ...]:
+    """The kinds of the messages in one of our own sealed frames, single or batch (read from the msgpack
+    body; the tag is not checked). Empty for a body that does not parse."""
     import msgpack
 
     try:
-        return ControlKind(msgpack.unpackb(frame[:-TAG_NBYTES], raw=False)[1])
-    except (ValueError, TypeError, IndexError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None
+        obj = msgpack.unpackb(frame[:-TAG_NBYTES], raw=False)
+        if obj[0] == FRAME_BATCH:
+            return tuple(ControlKind(item[0]) for item in obj[5:])
+        return (ControlKind(obj[1]),)
+    except (ValueError, TypeError, IndexError, KeyError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError):
+        return ()
+
+
+def _points(kinds: tuple[ControlKind, ...]) -> tuple[str | None, str | None]:
+    """A frame's crash points: the first message's that has one before the send, and after it."""
+    before = next((_SEND_POINTS[k][0] for k in kinds if k in _SEND_POINTS and _SEND_POINTS[k][0]), None)
+    after = next((_SEND_POINTS[k][1] for k in kinds if k in _SEND_POINTS), None)
+    return before, after
+
+
+def _kinds_label(kinds: tuple[ControlKind, ...]) -> str:
+    return "+".join(dict.fromkeys(k.name for k in kinds)) or "?"  # each kind once, in order
 
 
 @dataclass(frozen=True)
@@ -162,6 +184,7 @@ class _Write:
     error_until_ns: int | None = None  # report ERROR until then ...
     settles: bool = True  # ... then DONE (if the inner handle finishes), else ERROR for good
     inner_error: bool = False  # the real transfer below reported ERROR: nothing here will change it
+    notif: tuple[int, bytes] | None = None  # (receiver rank, frame) to send at DONE (rule 3)
 
 
 @dataclass
@@ -239,20 +262,19 @@ class FaultyTransport:
     def send(self, rank: int, frame: bytes) -> None:
         self._flush_out()
         p = self.profile
-        points = _SEND_POINTS.get(frame_kind(frame), (None, None)) if self._frame_points else (None, None)  # type: ignore[arg-type]
+        kinds = frame_kinds(frame) if self._frame_points else ()
+        points = _points(kinds)
         self._crash(points[0])
         if self._fires("send-raise", p.p_send_raise):
             self.raised.setdefault(frame, self.clock())
             raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
         self.raised.pop(frame, None)
         if self._fires("drop-frame", p.p_drop):
-            kind = frame_kind(frame)
-            self.counts[f"dropped_{kind.name if kind is not None else '?'}"] += 1
+            self.counts[f"dropped_{_kinds_label(frame_kinds(frame))}"] += 1
             return
         late = self.plan.get("late-frame")
         if late is not None and late.fires(self.rng):
-            kind = frame_kind(frame)
-            self.counts[f"late_{kind.name if kind is not None else '?'}"] += 1
+            self.counts[f"late_{_kinds_label(frame_kinds(frame))}"] += 1
             self._order += 1
             heapq.heappush(self._out, (self.clock() + late.ms * 1_000_000, self._order, rank, frame))
             return
@@ -270,6 +292,24 @@ class FaultyTransport:
         self._crash(points[1])
         if self._fires("send-raise-after", p.p_send_raise_after):
             raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
+
+    def _send_notif(self, rank: int, frame: bytes) -> None:
+        """A WRITE's notification: with a frame's latency (NIXL orders it against no other notification)
+        and, with ``p_dup``, delivered twice (a replay: the receiver must count it once)."""
+        p = self.profile
+        copies = 2 if self._fires("dup-carried", p.p_dup) else 1
+        for _ in range(copies):
+            delay = self._latency(p.frame_delay_ns)
+            if delay:
+                self._order += 1
+                heapq.heappush(self._out, (self.clock() + delay, self._order, rank, frame))
+            else:
+                try:
+                    self.inner.send(rank, frame)
+                except AdapterError:
+                    self.counts["notif-lost"] += 1
+        if self._frame_points:
+            self._crash(_points(frame_kinds(frame))[1])  # a carried KV_RESULT was just sent
 
     def _flush_out(self) -> None:
         now = self.clock()
@@ -296,14 +336,11 @@ class FaultyTransport:
 
     # ---- writes ---------------------------------------------------------------------------------
 
-    def write(self, action: PostWrite, local_aux_slot: int) -> WriteOutcome:
+    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
         self._flush_out()
         p, now = self.profile, self.clock()
         if self._fires("not-posted", p.p_not_posted):
             return NotPosted("injected: refused before posting")
-        outcome = self.inner.write(action, local_aux_slot)
-        if isinstance(outcome, NotPosted):
-            return outcome
         fate = _Write(now + self._latency(p.write_ns))
         slow = self.plan.get("slow-writer")
         if slow is not None and slow.fires(self.rng):
@@ -315,8 +352,14 @@ class FaultyTransport:
         elif self._fires("write-error", p.p_write_error):
             fate.error_until_ns = fate.due_ns + self._latency(p.write_ns) * 4
             fate.settles = self.rng.random() < p.p_late_done
+        raises = self._fires("post-raises", p.p_post_raises)
+        outcome = self.inner.write(action, local_aux_slot)  # rule 3: the notification is ours to send
+        if isinstance(outcome, NotPosted):
+            return outcome
+        if notif is not None and not (fate.stuck or fate.error_until_ns is not None or raises):
+            fate.notif = (action.receiver_rank, notif)
         self._writes[id(outcome.handle)] = fate
-        if isinstance(outcome, Posted) and self._fires("post-raises", p.p_post_raises):
+        if isinstance(outcome, Posted) and raises:
             return InDoubt(outcome.handle, "injected: transfer() raised after posting")
         if isinstance(outcome, Posted):
             self._crash("write-posted")
@@ -334,6 +377,8 @@ class FaultyTransport:
         status = self.inner.poll(handle)  # rule 2: DONE only when it is really done below
         if status is XferStatus.DONE:
             del self._writes[id(handle)]
+            if fate.notif is not None:  # rule 3: the WRITE's notification leaves when it is seen done
+                self._send_notif(*fate.notif)
             self._crash("write-done")
         elif status is XferStatus.ERROR:
             fate.inner_error = True

@@ -21,9 +21,11 @@ Rules:
      ``kvown.core.messages``' validators, so a validator that lets a bad value through is a finding.
 
 Targets:
-  frame              codec.decode -> InboundStreams.deliver (+ check_hello for a HELLO), one frame
-  core               codec.decode -> InboundStreams.deliver -> SenderCore/ReceiverCore.handle, a
+  frame              codec.decode_frame -> InboundStreams.deliver (+ check_hello for a HELLO), one frame
+                     of either layout (one message, or a batch; a carried frame is not a stream position)
+  core               codec.decode_frame -> InboundStreams.deliver -> SenderCore/ReceiverCore.handle, a
                      sequence of frames (u16 big-endian length prefixes) routed as the engine routes
+                     (a carried frame goes to the receiver core as a carried report)
   peer_info          PeerInfo.from_blob (the rendezvous blob) -> transport.check_peer (-> check_hello)
   rendezvous_server  RendezvousServer._serve_one on a scripted connection (the table is the state)
   rendezvous_client  the publish/lookup client's exchange on a scripted connection
@@ -50,6 +52,9 @@ from kvown.core import messages
 from kvown.core.errors import LocalProtocolError, PeerProtocolError
 from kvown.core.messages import (
     CAPABILITIES,
+    FLAG_CARRIED,
+    FRAME_BATCH,
+    MAX_BATCH,
     MAX_BLOCKS,
     MAX_NBYTES,
     MAX_PIECE,
@@ -60,6 +65,7 @@ from kvown.core.messages import (
     AuxResult,
     CancelSession,
     Envelope,
+    Frame,
     Hello,
     KvResult,
     RequestData,
@@ -174,38 +180,46 @@ FIELD_SPEC: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def check_fields(envelope: Envelope) -> None:
-    """Rule 5: every field of an accepted envelope is inside its documented range.
+def check_fields(frame: Frame) -> None:
+    """Rule 5: every field of an accepted frame and of each of its messages is inside its documented
+    range, and a carried frame is what ``messages`` rule 1 says (one final SUCCESS result, seq 0).
 
     A field this table does not know is a finding too: a new message field must be given a spec here
     before the fuzzer can vouch for it.
     """
-    for name, value in (("src_rank", envelope.src_rank), ("dst_rank", envelope.dst_rank)):
+    for name, value in (("src_rank", frame.src_rank), ("dst_rank", frame.dst_rank)):
         if not _RANK(value):
             raise FuzzFinding(f"decode accepted {name}={value!r}")
-    if not _is_int(envelope.seq, 0, MAX_SEQ):
-        raise FuzzFinding(f"decode accepted seq={envelope.seq!r}")
-    message = envelope.message
-    for f in fields(message):  # type: ignore[arg-type]
-        spec = FIELD_SPEC.get(f.name)
-        if spec is None:
-            raise FuzzFinding(f"no field spec for {type(message).__name__}.{f.name}; add it to FIELD_SPEC")
-        value = getattr(message, f.name)
-        if not spec(value):
-            raise FuzzFinding(f"decode accepted {type(message).__name__}.{f.name}={value!r:.60}")
+    if not _is_int(frame.seq, 0, MAX_SEQ):
+        raise FuzzFinding(f"decode accepted seq={frame.seq!r}")
+    if not 1 <= len(frame.messages) <= MAX_BATCH:
+        raise FuzzFinding(f"decode accepted a frame of {len(frame.messages)} messages")
+    if frame.carried:
+        m = frame.messages[0]
+        if (frame.seq != 0 or len(frame.messages) != 1 or not isinstance(m, (KvResult, AuxResult))
+                or m.status is not ResultStatus.SUCCESS or m.is_last is not True):
+            raise FuzzFinding(f"decode accepted a carried frame that is not one final SUCCESS report: {frame!r:.120}")
+    for message in frame.messages:
+        for f in fields(message):  # type: ignore[arg-type]
+            spec = FIELD_SPEC.get(f.name)
+            if spec is None:
+                raise FuzzFinding(f"no field spec for {type(message).__name__}.{f.name}; add it to FIELD_SPEC")
+            value = getattr(message, f.name)
+            if not spec(value):
+                raise FuzzFinding(f"decode accepted {type(message).__name__}.{f.name}={value!r:.60}")
 
 
-def check_round_trip(envelope: Envelope) -> None:
-    """INV-M1: what decode accepted encodes back to an equal envelope."""
-    again = codec.decode(codec.encode(envelope, KEY), KEY)
-    if again != envelope:
-        raise FuzzFinding(f"round trip changed the envelope: {envelope!r:.80} -> {again!r:.80}")
+def check_round_trip(frame: Frame) -> None:
+    """INV-M1: what decode accepted encodes back to an equal frame."""
+    again = codec.decode_frame(codec.encode_frame(frame, KEY), KEY)
+    if again != frame:
+        raise FuzzFinding(f"round trip changed the frame: {frame!r:.80} -> {again!r:.80}")
 
 
-def _decode_sealed(body: bytes) -> Envelope:
-    envelope = codec.decode(seal(body, KEY), KEY)
-    check_fields(envelope)
-    return envelope
+def _decode_sealed(body: bytes) -> Frame:
+    frame = codec.decode_frame(seal(body, KEY), KEY)
+    check_fields(frame)
+    return frame
 
 
 # ---- target: frame ----------------------------------------------------------------------------------
@@ -227,18 +241,21 @@ def frame_one_input(data: bytes) -> str:
     streams = _frame_streams()
     before = snapshot(streams)
     try:
-        envelope = _decode_sealed(data)
-        check_round_trip(envelope)
-        if isinstance(envelope.message, Hello):
-            messages.check_hello(_LOCAL_HELLO, envelope.message)
-        delivered = streams.deliver(envelope)
+        frame = _decode_sealed(data)
+        check_round_trip(frame)
+        for message in frame.messages:
+            if isinstance(message, Hello):
+                messages.check_hello(_LOCAL_HELLO, message)
+        if frame.carried:  # not a stream position: the engine hands it to the receiver core directly
+            return "carried"
+        delivered = streams.deliver(frame)
     except PeerProtocolError as exc:
         return rejected_without_change(exc, before, snapshot(streams), "InboundStreams")
-    _check_stream_step(before, streams, envelope, delivered)
+    _check_stream_step(before, streams, frame, delivered)
     return "delivered" if delivered else "held_or_duplicate"
 
 
-def _check_stream_step(before: Any, streams: InboundStreams, envelope: Envelope, delivered: list[Envelope]) -> None:
+def _check_stream_step(before: Any, streams: InboundStreams, envelope: Any, delivered: list[Any]) -> None:
     """INV-S1 for one accepted envelope: what came out is the stream's next seqs, in order, no gaps;
     nothing came out means it was held (one more held frame) or a duplicate (one more duplicate)."""
     if delivered:
@@ -337,20 +354,29 @@ def core_one_input(data: bytes) -> str:
     for body in split_frames(data):
         before = snapshot(streams)
         try:
-            envelope = _decode_sealed(body)
-            if envelope.src_rank not in PEERS:
+            frame = _decode_sealed(body)
+            if frame.src_rank not in PEERS:
                 outcomes.append("unknown_source")  # the engine drops it: the transport names the source
                 continue
-            delivered = streams.deliver(envelope)
+            if frame.carried:  # routed as Driver._carried routes it: to the receiver, as a carried report
+                if frame.dst_rank != LOCAL:
+                    outcomes.append("rejected:dst_rank")
+                    continue
+                (message,) = frame.messages
+                outcomes.append(_handle_one(rx, MessageReceived(Envelope(frame.src_rank, LOCAL, 0, message),
+                                                                carried=True)))
+                continue
+            delivered = streams.deliver(frame)
         except PeerProtocolError as exc:
             outcomes.append(rejected_without_change(exc, before, snapshot(streams), "InboundStreams"))
             continue
-        for env in delivered:
-            m = env.message  # route exactly as Engine._frame does
-            to_sender = isinstance(m, (RequestData, CancelSession))
-            cores = (tx, rx) if isinstance(m, Watermark) else (tx,) if to_sender else (rx,)
-            for core in cores:
-                outcomes.append(_handle_one(core, MessageReceived(env)))
+        for f in delivered:
+            for env in f.envelopes():
+                m = env.message  # route exactly as Driver._frame does
+                to_sender = isinstance(m, (RequestData, CancelSession))
+                cores = (tx, rx) if isinstance(m, Watermark) else (tx,) if to_sender else (rx,)
+                for core in cores:
+                    outcomes.append(_handle_one(core, MessageReceived(env)))
     return ",".join(outcomes) or "empty"
 
 
@@ -647,6 +673,11 @@ def _every_kind(src: int, seq: int) -> dict[str, bytes]:
     }
 
 
+def _batch(src: int, dst: int, seq: int, *items: Any, flags: int = 0) -> bytes:
+    return msgpack.packb([FRAME_BATCH, src, dst, seq, flags,
+                          *([int(m.KIND), *m.to_fields()] for m in items)], use_bin_type=True)
+
+
 def seeds() -> dict[str, dict[str, bytes]]:
     """target -> {file name: bytes}. ``python -m kvown.testing.fuzz --write-seeds`` writes them."""
     from kvown.adapters import rendezvous as rv
@@ -659,6 +690,13 @@ def seeds() -> dict[str, dict[str, bytes]]:
     frame["other_dst"] = _body(0, 7, 3, Watermark(0, 1))
     frame["hello_other_geometry"] = _body(0, LOCAL, 3, Hello(0, PROTOCOL_VERSION, CAPABILITIES, "0" * 64))
     frame["not_msgpack"] = b"\xc1\xff"
+    kv = KvResult(0, RID_ACTIVE, 0, True, ResultStatus.SUCCESS, 4096)
+    frame["batch_gap"] = _batch(0, LOCAL, 3, Watermark(0, 1), kv, SessionQuiesced(0, RID_ACTIVE))
+    frame["batch_held"] = _batch(2, LOCAL, 2, RequestData(RID_SEND_WAITING, 2, (1, 2), 0, 1, -1), Watermark(2, 1))
+    frame["carried"] = _batch(0, LOCAL, 0, kv, flags=FLAG_CARRIED)
+    frame["carried_not_final"] = _batch(0, LOCAL, 0, KvResult(0, RID_ACTIVE, 0, False, ResultStatus.SUCCESS, 0),
+                                        flags=FLAG_CARRIED)
+    frame["carried_two"] = _batch(0, LOCAL, 0, kv, kv, flags=FLAG_CARRIED)
     out["frame"] = frame
 
     core = {k: join_frames([v]) for k, v in _every_kind(0, 0).items()}
@@ -696,6 +734,15 @@ def seeds() -> dict[str, dict[str, bytes]]:
             _body(2, LOCAL, 0, RequestData(rid, 2, (20, 21, 22, 23), 0, 1, 4))])
         core[f"tx_{rid & 0xFF:02x}_cancel"] = join_frames([_body(2, LOCAL, 0, CancelSession(rid, 2))])
     core["cancel_fenced"] = join_frames([_body(0, LOCAL, 0, RequestData(RID_FENCED, 0, (1,), 0, 1, -1))])
+    core["batch_result_then_ack"] = join_frames([
+        _batch(0, LOCAL, 0, KvResult(0, rid, 0, True, ResultStatus.SUCCESS, 4096), SessionQuiesced(0, rid))])
+    core["carried_result"] = join_frames([
+        _batch(2, LOCAL, 0, KvResult(2, rid, 0, True, ResultStatus.SUCCESS, 0), flags=FLAG_CARRIED)])
+    core["carried_after_ack"] = join_frames([
+        _body(0, LOCAL, 0, SessionQuiesced(0, RID_DRAINING)),
+        _batch(0, LOCAL, 0, KvResult(0, RID_DRAINING, 0, True, ResultStatus.SUCCESS, 0), flags=FLAG_CARRIED)])
+    core["carried_twice"] = join_frames([
+        _batch(2, LOCAL, 0, KvResult(2, rid, 0, True, ResultStatus.SUCCESS, 0), flags=FLAG_CARRIED)] * 2)
     core["out_of_order"] = join_frames([
         _body(0, LOCAL, 1, SessionQuiesced(0, rid)),
         _body(0, LOCAL, 0, KvResult(0, rid, 0, True, ResultStatus.FAILED, 0)),
@@ -794,9 +841,15 @@ def _mutant_peer_info_unvalidated() -> None:
     PeerInfo.from_wire = classmethod(from_wire)  # type: ignore[method-assign,assignment]
 
 
+def _mutant_carried_frame_unchecked() -> None:
+    """``frame_from_wire`` forgets messages rule 1: a carried frame may hold any message at any position."""
+    messages._check_carried = lambda seq, items: None  # type: ignore[assignment]
+
+
 MUTANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "unchecked_request_id": ("frame", _mutant_unchecked_request_id),
     "streams_touch_before_check": ("frame", _mutant_streams_touch_before_check),
     "receiver_touch_before_check": ("core", _mutant_receiver_touch_before_check),
     "peer_info_unvalidated": ("peer_info", _mutant_peer_info_unvalidated),
+    "carried_frame_unchecked": ("frame", _mutant_carried_frame_unchecked),
 }

@@ -32,7 +32,8 @@ Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed an
       copy); the drain start of a session never moves;
   (c) no evidence counted twice: no (src, seq) frame delivered twice, and no dispute in a world with
       no forgers of results;
-  (d) fences never reopen (raw fence tables), and a session opened for a fenced id is born cancelled;
+  (d) fences never reopen (raw fence tables), and a session opened for a fenced id is born cancelled
+      (no live core session for it after the step that opened it, and a CANCELLED outcome);
   (e) pool accounting total == free + owned + held; every landed request's blocks and aux hold
       exactly what its writers wrote; no INVARIANT fail-stop (broken canary, pool bookkeeping);
   (f) no WRITE reads a source piece before its ready token was signalled;
@@ -597,26 +598,26 @@ class SimWorld:
     def _check_recv_log(self, rank: _Rank) -> bool:
         """(c) each (src, seq) reaches this rank's cores once; honest evidence is never disputed (the
         insiders here forge acks on their own streams, which the core refuses without a dispute)."""
-        ring = rank.recorder._ring
-        new = min(rank.recorder._recorded - rank.recorded, len(ring))
-        rank.recorded = rank.recorder._recorded
-        for i in range(len(ring) - new, len(ring)):
-            _, kind, rid, detail = ring[i]
+        rank.recorded, new = rank.recorder.events_since(rank.recorded)
+        for _, kind, rid, detail in new:
             self._say(f"r{rank.rank} {kind} {rid} {_brief(detail)}")
-            if kind == "recv":
-                key = (detail["src"], detail["seq"])
+            if kind in ("recv", "recv_carried"):  # a frame position (and message in it), or a carried report
+                key = ((detail["src"], detail["seq"], detail["index"]) if kind == "recv"
+                       else ("carried", detail["src"], rid, detail["msg"], detail["piece"]))
                 if key in rank.seen_frames:
-                    raise self.violation("c", f"rank {rank.rank}: frame {key} delivered twice by the streams")
+                    raise self.violation("c", f"rank {rank.rank}: message {key} delivered twice")
                 rank.seen_frames.add(key)
             elif kind == "disputed":
                 raise self.violation("c", f"rank {rank.rank} disputed honest evidence for {rid}: {detail['reason']}")
-        return new > 0
+        return bool(new)
 
     def _check_sessions(self, rank: _Rank) -> None:
         """(b) the drain start never moves; no claim outlives its bound."""
         core = rank.driver.receiver or rank.driver.sender
         grace, timeout = core.config.grace_ns, core.config.timeout_ns
         for rid, s in core.sessions.items():
+            if (rank.rank, rid) in self._born_fenced:  # (d) at once, not only when it concludes
+                raise self.violation("d", f"rank {rank.rank} opened a live session for fenced id {rid}", rid=rid)
             key = (rank.rank, rid, id(s.clock))
             started = s.clock.drain_started_ns
             if started is not None and self.drain_seen.setdefault(key, started) != started:
@@ -645,7 +646,7 @@ class SimWorld:
 
     def _check_pool(self, rank: _Rank) -> None:
         pool = rank.pool
-        if len(pool._free) + pool._num_owned + pool._num_held != pool.layout.num_blocks:
+        if pool._num_free + pool._num_owned + pool._num_held != pool.layout.num_blocks:
             raise self.violation("e", f"pool accounting broken on rank {rank.rank}")
 
     def _check_new_writes(self) -> None:
@@ -713,10 +714,11 @@ class SimWorld:
             frames += [f for f, _ in pending.frames]
         inbound = self.ranks[w].driver.inn
         delivered_below = inbound._expected.get(rx, 0)  # a copy of a frame already delivered is a dropped duplicate
-        envelopes = [e for e in (codec.decode(f, JOB_KEY) for f in frames if _authentic(f)) if e.seq >= delivered_below]
-        envelopes += list(inbound._held.get(rx, {}).values())
-        return any(isinstance(e.message, RequestData) and e.message.request_id == rid and e.src_rank == rx
-                   for e in envelopes)
+        decoded = [codec.decode_frame(f, JOB_KEY) for f in frames if _authentic(f)]
+        pending = [f for f in decoded if not f.carried and f.seq >= delivered_below]
+        pending += list(inbound._held.get(rx, {}).values())
+        return any(isinstance(m, RequestData) and m.request_id == rid and f.src_rank == rx
+                   for f in pending for m in getattr(f, "messages", (getattr(f, "message", None),)))
 
     def check_end(self) -> None:  # noqa: C901
         """At the end: live, non-fatal ranks have no sessions, every block free and every canary intact."""
@@ -787,7 +789,7 @@ def _brief(detail: dict[str, Any]) -> str:
 
 def _authentic(frame: bytes) -> bool:
     try:
-        codec.decode(frame, JOB_KEY)
+        codec.decode_frame(frame, JOB_KEY)
     except KvownError:
         return False
     return True

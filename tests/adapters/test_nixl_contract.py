@@ -320,6 +320,64 @@ def test_write_notification_follows_the_data(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_refused_write_sends_no_notification(pair: Pair) -> None:
+    """nixl rule 7: nothing posted, nothing announced (the carried result must never arrive)."""
+    outside = pair.dst_addr + (1 << 20) + 4096  # not in b's registration: NIXL refuses to prepare it
+    with pytest.raises(AdapterError) as e:
+        pair.a.post_write(pair.b.name, [(pair.src_addr, 64)], [(outside, 64)], MemKind.DRAM, notif=b"never")
+    assert e.value.posted is False and pair.a.live_handles == 0
+    n = 64 * KIB  # a good WRITE after it is announced, and only it
+    h = pair.a.post_write(pair.b.name, [(pair.src_addr, n)], [(pair.dst_addr, n)], MemKind.DRAM, notif=b"good")
+    assert pair.wait(h) is XferStatus.DONE
+    assert pair.wait_notifs(pair.b, 1) == [(pair.a.name, b"good")]
+    for _ in range(100):
+        pair.pump()
+    assert pair.inbox[pair.b.name] == [(pair.a.name, b"good")]
+    pair.a.release(h)
+
+
+@pytest.mark.timeout(60)
+def test_prepped_write_with_index_lists(pair: Pair) -> None:
+    """The short-list fast path (nixl rule 6): Python lists go to NIXL as they are, checked the same."""
+    block = 4 * KIB
+    lp = pair.a.prep_blocks(pair.src_addr, block, 16, MemKind.DRAM)
+    rp = pair.a.prep_blocks(pair.dst_addr, block, 16, MemKind.DRAM, peer=pair.b.name)
+    h = pair.a.post_write_blocks(pair.b.name, lp, [3, 4, 9], rp, [0, 1, 15], notif=b"list")
+    assert h.nbytes == 3 * block
+    assert pair.wait(h) is XferStatus.DONE
+    pair.a.release(h)
+    want = np.concatenate([pair.src[3 * block : 5 * block], pair.src[9 * block : 10 * block]])
+    got = np.concatenate([pair.dst[0 : 2 * block], pair.dst[15 * block : 16 * block]])
+    assert np.array_equal(got, want)
+    for bad, field in (([16], "remote_idx"), ([-1], "remote_idx"), ([], "local_idx")):
+        with pytest.raises(LocalProtocolError) as e:
+            pair.a.post_write_blocks(pair.b.name, lp, [0] if bad else [], rp, bad)
+        assert e.value.field == field
+    assert pair.a.live_handles == 0
+
+
+@pytest.mark.timeout(60)
+def test_prepped_write_notification_follows_the_data(pair: Pair) -> None:
+    """The path kvown's carried results take: a prepped WRITE whose notification is the report."""
+    block = 16 * KIB
+    lp = pair.a.prep_blocks(pair.src_addr, block, 8, MemKind.DRAM)
+    rp = pair.a.prep_blocks(pair.dst_addr, block, 8, MemKind.DRAM, peer=pair.b.name)
+    h = pair.a.post_write_blocks(pair.b.name, lp, np.arange(2, 6), rp, np.arange(4, 8), notif=b"report")
+    for _ in range(MAX_SPINS):
+        pair.a.poll(h)
+        got = pair.b.drain_notifs()
+        if got:
+            assert got == [(pair.a.name, b"report")]
+            assert np.array_equal(pair.dst[4 * block : 8 * block], pair.src[2 * block : 6 * block])
+            break
+        pair.a.drain_notifs()
+    else:
+        raise AssertionError("no notification")
+    assert pair.wait(h) is XferStatus.DONE
+    pair.a.release(h)
+
+
+@pytest.mark.timeout(60)
 def test_large_notification_and_cap(pair: Pair) -> None:
     table = np.arange(16_384, dtype=np.int32).tobytes()  # a block table of 16k ints (64 KiB)
     pair.a.send_notif(pair.b.name, table)
@@ -446,6 +504,31 @@ def test_fake_error_can_resolve_to_done_on_the_same_handle(fake: Pair) -> None:
     assert fake.a.poll(h) is XferStatus.IN_PROGRESS
     assert fake.a.poll(h) is XferStatus.DONE
     assert np.array_equal(fake.dst[:64], fake.src[:64])
+    fake.a.release(h)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fault", [
+    WriteFault(delay_polls=0, outcome=FakeOutcome.ERR_THEN_DONE, err_polls=2),
+    WriteFault(at=FaultPoint.POST_RAISES, delay_polls=1),
+    WriteFault(at=FaultPoint.POST_ERR, land_after_ticks=0),
+], ids=["err_then_done", "post_raises", "post_err"])
+def test_fake_drops_the_notification_of_a_write_that_errored(fake: Pair, fault: WriteFault) -> None:
+    """Fake rule 4, as NIXL's UCX backend does (nixl rule 7): an error first means no notification,
+    even if the same handle later reports DONE and its bytes landed."""
+    fake.fabric.inject_write(fault)
+    try:
+        h = fake.a.post_write(fake.b.name, [(fake.src_addr, 64)], [(fake.dst_addr, 64)], MemKind.DRAM,
+                              notif=b"report")
+    except AdapterError as e:
+        h = e.value.handle if hasattr(e, "value") else e.handle
+    for _ in range(6):
+        fake.a.poll(h)
+        fake.pump()
+    assert fake.inbox[fake.b.name] == []
+    fake.fabric.land_all()
+    if h.status is XferStatus.IN_PROGRESS:
+        fake.wait(h)
     fake.a.release(h)
 
 

@@ -191,3 +191,51 @@ class PoolModel(RuleBasedStateMachine):
 TestPoolModel = PoolModel.TestCase
 TestPoolModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestPoolModel = pytest.mark.timeout(60)(TestPoolModel)
+
+
+@pytest.mark.timeout(30)
+def test_best_fit_keeps_a_session_in_one_run() -> None:
+    """Rule 5: a free run long enough is used whole-session, the smallest such run first."""
+    pool = make_pool(num_blocks=64)
+    a, b, c, d = (pool.allocate(8, owner=o) for o in "abcd")
+    assert (a, b, c, d) == tuple(tuple(range(i, i + 8)) for i in (0, 8, 16, 24))
+    pool.retire(b, owner="b")
+    pool.retire(d, owner="d")  # merges with the tail: free runs [8, 16) and [24, 64)
+    assert pool.free_runs() == 2
+    assert pool.allocate(8, owner="e") == tuple(range(8, 16))  # best fit, not the big run
+    assert pool.allocate(20, owner="f") == tuple(range(24, 44))
+    pool.retire(pool.owned_by("a"), owner="a")
+    pool.retire(pool.owned_by("e"), owner="e")  # [0, 16) merged again
+    assert pool.free_runs() == 2 and pool.allocate(16, owner="g") == tuple(range(16))
+    pool.check(deep=True)
+
+
+@pytest.mark.timeout(30)
+def test_without_a_long_enough_run_the_fewest_pieces_are_taken() -> None:
+    pool = make_pool(num_blocks=10)
+    blocks = pool.allocate(10, owner="x")
+    pool.retire([b for b in blocks if b in (0, 1, 4, 5, 6, 9)], owner="x")  # runs of 2, 3, 1
+    got = pool.allocate(5, owner="y")
+    assert sorted(got) == [0, 1, 4, 5, 6]  # the run of 3, then the run of 2: two pieces, not three
+    assert pool.free_blocks() == (9,) and pool.free_runs() == 1
+    pool.check(deep=True)
+
+
+@pytest.mark.timeout(60)
+def test_churn_keeps_sessions_contiguous_where_lifo_fragments() -> None:
+    """A window of sessions retired out of order (the W1 pattern): every session stays one run."""
+    import random
+
+    rng = random.Random(7)
+    pool = make_pool(num_blocks=512)  # at most half in use, as W1 sizes its pool
+    live: list[tuple[int, tuple[int, ...]]] = []
+    runs = []
+    for i in range(400):
+        if len(live) == 4:
+            owner, blocks = live.pop(rng.randrange(4))
+            pool.retire(blocks, owner=owner)
+        blocks = pool.allocate(rng.choice((16, 32, 64)), owner=i)
+        runs.append(1 + sum(1 for x, y in zip(blocks, blocks[1:]) if y != x + 1))
+        live.append((i, blocks))
+    assert max(runs) == 1
+    pool.check(deep=True)

@@ -18,8 +18,8 @@ def receiver(rank: int = RX, timeout: int = T, grace: int = G) -> ReceiverCore:
     return ReceiverCore(CoreConfig(rank=rank, timeout_ns=timeout, grace_ns=grace))
 
 
-def sender(rank: int = 1, timeout: int = T, grace: int = G) -> SenderCore:
-    return SenderCore(CoreConfig(rank=rank, timeout_ns=timeout, grace_ns=grace))
+def sender(rank: int = 1, timeout: int = T, grace: int = G, carry: bool = True) -> SenderCore:
+    return SenderCore(CoreConfig(rank=rank, timeout_ns=timeout, grace_ns=grace), carry_results=carry)
 
 
 def msg(src: int, dst: int, message: Message, seq: int = 0) -> MessageReceived:

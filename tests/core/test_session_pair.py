@@ -55,9 +55,9 @@ S, F, D, Q = ResultStatus.SUCCESS, ResultStatus.FAILED, ResultStatus.IN_DOUBT, R
 class Pair:
     """One receiver (rank RX) and writers 1..n, joined by an in-memory, in-order control link."""
 
-    def __init__(self, writers=(1,), timeout: int = T, grace: int = G) -> None:
+    def __init__(self, writers=(1,), timeout: int = T, grace: int = G, carry: bool = True) -> None:
         self.rx = receiver(timeout=timeout, grace=grace)
-        self.tx = {w: sender(w, timeout=timeout, grace=grace) for w in writers}
+        self.tx = {w: sender(w, timeout=timeout, grace=grace, carry=carry) for w in writers}
         self.cores = {RX: self.rx, **self.tx}
         self.out = {r: OutboundStreams(r) for r in self.cores}
         self.inb = {r: InboundStreams(r) for r in self.cores}
@@ -110,7 +110,19 @@ class Pair:
         for p in self.posts[w]:
             entry = self.tx[w]._ops.get(p.op_id)
             if entry and entry[2].state.value in ("submitted", "in_doubt"):
-                self.do(w, WriteCompleted(p.op_id))
+                self.complete(w, p)
+
+    def complete(self, w: int, post: PostWrite) -> None:
+        """The backend reports DONE for ``post``; a carried report arrives with the data."""
+        entry = self.tx[w]._ops.get(post.op_id)
+        self.do(w, WriteCompleted(post.op_id))
+        if entry is not None and entry[2].delivered_by_write:  # NIXL delivers the carried report
+            self.carried(w, post)
+
+    def carried(self, w: int, post: PostWrite) -> None:
+        """The WRITE's notification (sender rule 6) reaches the receiver: outside the ordered streams."""
+        self.seen[RX].append(post.result)
+        self.do(RX, MessageReceived(Envelope(w, RX, 0, post.result)))
 
     def retired(self, rid=1) -> bool:
         return RetireBlocks(rid) in self.actions[RX]
@@ -179,10 +191,59 @@ def test_cancel_mid_transfer_holds_until_the_write_is_done() -> None:
     p.flush()
     assert not p.retired() and p.from_writer(1) == []  # no ack while the write is in flight
     assert p.tx[1].may_write(1, RX)
-    p.do(1, WriteCompleted(p.posts[1][0].op_id))
+    p.complete(1, p.posts[1][0])
+    p.flush()
+    # the report rode on the WRITE (sender rule 6): with is_last it settles the writer, no ack follows
+    assert p.from_writer(1) == [S] and p.retired()
+    assert p.rx.fence.is_fenced(1) and p.tx[1].fence.is_fenced(1)
+
+
+@T10
+def test_cancel_mid_transfer_without_carried_results_acks_after_the_result() -> None:
+    p = Pair(carry=False)
+    p.open()
+    p.flush()
+    p.send(1)
+    p.submit_all(1)
+    assert p.posts[1][0].result is None
+    p.do(RX, CancelRequested(1))
+    p.flush()
+    assert not p.retired() and p.from_writer(1) == []
+    p.complete(1, p.posts[1][0])
     p.flush()
     assert p.from_writer(1) == [S, "ACK"] and p.retired()
-    assert p.rx.fence.is_fenced(1) and p.tx[1].fence.is_fenced(1)
+
+
+@T10
+def test_only_a_single_operation_stream_carries_its_report() -> None:
+    p = Pair()
+    p.open(aux=3)  # KV piece + AUX piece: two operations on the stream
+    p.flush()
+    p.send(1)
+    assert [post.result for post in p.posts[1]] == [None, None]
+    q = Pair()
+    q.open()
+    q.flush()
+    q.send(1)
+    (post,) = q.posts[1]
+    assert post.result == KvResult(1, 1, 0, True, S, 0)
+    q.complete_all(1)
+    q.flush()
+    assert Deliver(1) in q.actions[RX] and q.from_writer(1) == [S]
+    assert not any(isinstance(a, SendControl) for a in q.actions[1])  # nothing on the control stream
+
+
+@T10
+def test_a_carried_write_that_goes_in_doubt_reports_on_the_control_stream() -> None:
+    p = Pair()
+    p.open()
+    p.flush()
+    p.send(1)
+    p.submit_all(1)
+    p.do(1, WriteFailed(p.posts[1][0].op_id, "ERR"))  # NIXL never sends the notification now
+    p.do(1, WriteCompleted(p.posts[1][0].op_id))  # late DONE: still no notification
+    p.flush()
+    assert p.from_writer(1) == [D, Q, "ACK"] and p.retired()  # as for an uncarried write
 
 
 @T10
@@ -213,7 +274,7 @@ def test_fan_in_with_one_writer_cancelled_midway_waits_for_the_sibling() -> None
     assert p.rx.sessions[1].outcome is Outcome.FAILED and not p.retired()  # writer 1 still writing
     p.complete_all(1)
     p.flush()
-    assert p.from_writer(1) == [S, "ACK"] and p.retired()
+    assert p.from_writer(1) == [S] and p.retired()  # the carried is_last report settles writer 1
 
 
 @T10
@@ -346,14 +407,14 @@ def test_failed_writer_cannot_authorise_reuse_while_sibling_is_active() -> None:
     p.send(2)
     p.submit_all(1)
     p.submit_all(2)
-    p.do(1, WriteCompleted(p.posts[1][0].op_id))
+    p.complete(1, p.posts[1][0])
     p.flush()
     assert p.from_writer(1) == [S]
     p.do(RX, CancelRequested(1))
     p.do(RX, CancelRequested(1))  # repeated cancel
     p.flush()
     assert not p.retired()  # writer 2 is still writing
-    p.do(2, WriteCompleted(p.posts[2][0].op_id))
+    p.complete(2, p.posts[2][0])
     p.flush()
     assert p.actions[RX].count(RetireBlocks(1)) == 1
 

@@ -117,7 +117,7 @@ def retirements_without_proof(events: list[dict]) -> list[str]:
         if kind == "open_receive":
             writers[rid] = list(detail["writers"])
             proven[rid] = set()
-        elif kind == "recv" and detail.get("msg") in PROOF and rid in proven:
+        elif kind in ("recv", "recv_carried") and detail.get("msg") in PROOF and rid in proven:
             proven[rid].add(detail["src"])
         elif kind == "retire" and rid in writers:
             missing = [w for w in writers[rid] if w not in proven[rid]]

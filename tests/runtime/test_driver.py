@@ -137,7 +137,10 @@ def test_duplicated_notifications_are_dropped_once_each() -> None:
     p.fabric.inject_notif(NotifFault(dup=True, count=100))
     rid, handle, _ = p.transfer(5)
     assert handle.outcome.result(0) is Outcome.COMPLETED
-    assert p.drivers[TX].inn.duplicates >= 1 and p.drivers[RX].inn.duplicates >= 1
+    # the receiver's report came as the WRITE's notification (carried, outside the ordered stream):
+    # its copy is dropped by the driver before the core, never disputed
+    assert p.drivers[TX].inn.duplicates >= 1 and p.drivers[RX].stats["duplicate_carried"] >= 1
+    assert p.drivers[RX].receiver.counters.get("invalid_evidence", 0) == 0
 
 
 @pytest.mark.timeout(30)
@@ -231,3 +234,24 @@ def test_a_canary_fail_stop_is_latched_before_the_caller_hears_of_it() -> None:
     assert seen_at_answer and seen_at_answer[0] is not None
     assert seen_at_answer[0].reason is FatalReason.INVARIANT and "canary" in seen_at_answer[0].detail
     assert p.fatal[RX] is seen_at_answer[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_write_that_never_completes_holds_back_no_other_session() -> None:
+    """Carried reports are outside the ordered streams: session 1's WRITE never reports DONE (so its report
+    never leaves), yet session 2's publication, WRITE and report go through, and session 1 stays held."""
+    p = Pair(timeout_ns=100_000, grace_ns=100_000)
+    p.fabric.inject_write(WriteFault(src="r0", delay_polls=10**9))  # the first WRITE: in flight forever
+    rid1 = make_request_id(1, 20)
+    t1 = p.rx.submit_receive(rid1, 2, (TX,))
+    p.run(t1.future.done, steps=5)
+    h1 = t1.future.result(0)
+    p.tx.send(rid1, (0, 1))
+    p.run(steps=20)
+    rid2, h2, s2 = p.transfer(21)
+    assert h2.landed.is_set() and h2.outcome.result(0) is Outcome.COMPLETED
+    p.rx.release(rid2)
+    p.run(lambda: h2.retired.is_set() and s2.released.is_set())
+    assert h2.retired.is_set() and s2.released.is_set()
+    assert not h1.landed.is_set() and not h1.retired.is_set()  # no report, no retirement: still claimed
+    assert p.drivers[TX].statistics()["writes_in_flight"] == 1 and not p.fatal

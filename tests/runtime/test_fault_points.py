@@ -2,7 +2,7 @@
 
 The production driver over the fake NIXL library, stepped with the test's own clock (no threads). The
 crash action is replaced by one that records what the world looked like at that instant, so each
-point is pinned to a protocol fact (e.g. at ``write-done`` no KV_RESULT has left the sender yet; at
+point is pinned to a protocol fact (e.g. at ``write-done`` the driver still counts the WRITE in flight; at
 ``retire`` the blocks are free in the pool but the API has not heard). These facts are what the crash
 matrix (tests/multiproc/test_crash_matrix.py) relies on when it kills a real rank there.
 """
@@ -26,7 +26,7 @@ from kvown.runtime.engine import Engine
 from kvown.runtime.flight import FlightRecorder
 from kvown.testing.clockguard import forbid_real_clock
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
-from kvown.testing.faults import CRASH_POINTS, FaultyTransport, parse_plan
+from kvown.testing.faults import CRASH_POINTS, FaultyTransport, frame_kinds, parse_plan
 
 LAYOUT = KVLayout.standard(
     num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8"
@@ -47,6 +47,7 @@ class World:
         self.drivers: dict[int, Driver] = {}
         self.faulty: dict[int, FaultyTransport] = {}
         self.seen: list[tuple[int, str, dict]] = []  # (rank, point, facts at that instant)
+        self.sent: dict[int, list[bytes]] = {TX: [], RX: []}  # frames that really left, WRITE notifications too
         transports = {}
         for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
             pool = KVPool(LAYOUT)
@@ -60,6 +61,7 @@ class World:
                 roles=frozenset({role}),
                 geometry_digest=LAYOUT.geometry_digest(),
             )
+            transports[rank].send = self._spy(transports[rank].send, rank)
             faulty = FaultyTransport(transports[rank], rank, lambda: self.now, plan=parse_plan(plan, rank))
             faulty.crash_action = lambda point, r=rank: self.seen.append((r, point, self.facts()))
             self.faulty[rank] = faulty
@@ -92,13 +94,25 @@ class World:
         self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=lambda: self.now))
         self.handle = None
 
+    def _spy(self, send, rank: int):
+        def spied(dst: int, frame: bytes) -> None:
+            send(dst, frame)
+            self.sent[rank].append(frame)
+
+        return spied
+
     def facts(self) -> dict:
         rx, tx = self.drivers[RX], self.drivers[TX]
+
+        def got(driver) -> list[str]:  # ordered frames and results carried by a WRITE
+            return [e[3]["msg"] for e in driver.recorder.events() if e[1] in ("recv", "recv_carried")]
+
         return {
-            "rx_got": [e[3]["msg"] for e in rx.recorder.events() if e[1] == "recv"],
-            "tx_sent": [e[3]["msg"] for e in tx.recorder.events() if e[1] == "send"],
-            "tx_got": [e[3]["msg"] for e in tx.recorder.events() if e[1] == "recv"],
+            "rx_got": got(rx),
+            "tx_sent": [k.name for frame in self.sent[TX] for k in frame_kinds(frame)],
+            "tx_got": got(tx),
             "rx_free": rx.pool.statistics().free,
+            "tx_writes_in_flight": len(tx._writes),
             "retired_told": self.handle is not None and self.handle.retired.is_set(),
         }
 
@@ -129,7 +143,8 @@ EXPECTED = {  # point -> (observing rank, a fact that must hold at that instant)
     "before-publish": (RX, lambda f: "REQUEST_DATA" not in f["rx_got"] and f["rx_free"] == 6),
     "request-data": (RX, lambda f: f["rx_free"] == 6),
     "write-posted": (TX, lambda f: "REQUEST_DATA" in f["tx_got"] and "KV_RESULT" not in f["tx_sent"]),
-    "write-done": (TX, lambda f: "KV_RESULT" not in f["tx_sent"]),
+    # a one-operation session's result rides on its WRITE: it left with the data, the driver has not seen DONE
+    "write-done": (TX, lambda f: f["tx_sent"].count("KV_RESULT") <= 1 and f["tx_writes_in_flight"] == 1),
     "kv-result-sent": (TX, lambda f: "KV_RESULT" in f["tx_sent"] and "KV_RESULT" not in f["rx_got"]),
     "cancel-sent": (
         RX,

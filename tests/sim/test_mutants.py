@@ -12,7 +12,8 @@ from kvown.core.actions import Outcome
 from kvown.core.deadline import RetirementClock
 from kvown.core.errors import AdapterError, InvariantViolation
 from kvown.core.fence import CancellationFence
-from kvown.core.messages import ResultStatus, SessionQuiesced
+from kvown.core.events import MessageReceived
+from kvown.core.messages import Envelope, ResultStatus, SessionQuiesced
 from kvown.core.receiver import ReceiverCore, ReceiveSession, _Writer
 from kvown.core import receiver as receiver_module
 from kvown.core.sender import SenderCore, _Stream
@@ -136,12 +137,36 @@ def local_copy_inherits_the_request_deadline(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ReceiverCore, "_fatal_deadline_ns", old_deadline)
 
 
+def every_report_rides_its_write(mp: pytest.MonkeyPatch) -> None:
+    """Carried results (sender rule 6) on multi-operation streams too: a carried report can overtake an
+    earlier one, and each claims to be the stream's last."""
+    mp.setattr(SenderCore, "_carries", lambda self, s, op: self.carry_results)
+
+
+def late_carried_report_disputed(mp: pytest.MonkeyPatch) -> None:
+    """Receiver rule 4a forgotten: a carried report that arrives after its writer's ack (a cancel of a
+    finished send is acked at once, and NIXL orders the WRITE's notification against nothing) is taken
+    for a result after the end of the stream, and honest evidence is disputed."""
+    mp.setattr(ReceiverCore, "_stale_carried", lambda self, message: False)
+
+
+def carried_copies_counted_twice(mp: pytest.MonkeyPatch) -> None:
+    """The receiver's driver hands every copy of a carried report to the core (no duplicate check)."""
+
+    def carried(self, src, message):
+        self._events.append((self.receiver, MessageReceived(Envelope(src, self.rank, 0, message), carried=True)))
+
+    mp.setattr(Driver, "_carried", carried)
+
+
 MUTANTS = [  # (mutant, the oracle tag it must trip)
     (retire_on_cancel_without_ack, "a"),
     # an early ack either lets the receiver retire under a live WRITE (a), or the result that follows the
     # ack on the stream exposes the lie and the receiver disputes it (c): both are this mutant's footprint
     (ack_before_in_flight_write_done, ("a", "c")),
-    (ack_from_unpublished_writer, "a"),
+    # a forged ack settles the named writer early: the receiver retires under that writer's WRITE (a), or,
+    # when the writer's report rides on its WRITE and lands after the forged ack, disputes it (c)
+    (ack_from_unpublished_writer, ("a", "c")),
     (resettable_deadline, "b"),
     (fence_consumed_once, "d"),
     (first_failure_retires_despite_active_sibling, "a"),
@@ -151,6 +176,9 @@ MUTANTS = [  # (mutant, the oracle tag it must trip)
     (driver_forgets_a_failed_send, "g"),
     (decline_claims_the_slice, "c"),
     (local_copy_inherits_the_request_deadline, "b"),
+    (every_report_rides_its_write, ("a", "c")),
+    (late_carried_report_disputed, "c"),
+    (carried_copies_counted_twice, "c"),
 ]
 
 

@@ -13,7 +13,7 @@ Measures, with fixed iteration counts, between two spawned processes on 127.0.0.
 Both processes busy-poll with no NIXL progress thread (the only sane mode on 2 cores). Each side of
 the timed loop is bounded; a child that does not answer within ``--deadline-s`` fails the run.
 
-Usage: python benchmarks/bench_control.py [--iters 2000] [--json PATH] [--no-sysv]
+Usage: kvown bench control (python -m kvown.apps.benchmarks.control) [--iters 2000] [--json PATH] [--no-sysv]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import numpy as np  # noqa: E402
@@ -273,7 +272,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--deadline-s", type=float, default=60.0)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-sysv", action="store_true", help="skip the UCX_MM_ERROR_HANDLING=y comparison")
+    ap.add_argument("--quick", action="store_true", help="200 iterations, no sysv comparison (smoke test)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.iters, args.no_sysv = 200, True
     t0 = time.monotonic()
     report: dict[str, Any] = {
         "benchmark": "bench_control",

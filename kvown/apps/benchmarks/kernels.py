@@ -9,7 +9,7 @@ reference on the GPU beside them; on CPU the vectorised torch reference runs aga
   dequantize  the same NVFP4 data -> float32
   checksum    a pool of 2 MiB blocks, every block in one call
 
-Usage: python benchmarks/bench_kernels.py [--device cpu|cuda] [--mib N] [--quick] [--seed S] [--json PATH]
+Usage: kvown bench kernels (python -m kvown.apps.benchmarks.kernels) [--device cpu|cuda] [--mib N] [--quick] [--seed S] [--json PATH]
 Target (issue 8): >= 0.7x of the copy bandwidth for each kernel on an H200. On CPU there is no
 target; the figure says how far the reference is from memory speed.
 """

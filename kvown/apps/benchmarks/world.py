@@ -1,0 +1,722 @@
+"""W1 happy path, W2 cancellation sweep and W3 fan-in in one mpirun world, against B0 and B1.
+
+Run under ``mpirun -n 1+K``: rank 0 receives (generation), ranks 1..K write (context). One run, fixed
+seeds, the same pools throughout. Every figure is taken on rank 0's monotonic clock.
+
+Baselines, in the same run, between a second pair of NIXL agents per rank that this benchmark makes
+(the engine thread owns the runtime's agent), both sides yield-polling like the engine:
+  B0 raw NIXL   one WRITE + notification per session, one descriptor, no protocol. The receiver frees a
+                slot when it has counted the notification, and AT ONCE on cancel (unsafe).
+  B1 timeout    like B0, but a cancelled slot is held for a fixed ``--b1-timeout-s`` (vLLM/SGLang hold
+                cancelled KV for 30-480 s; scaled down here and reported).
+Yardsticks, in the same run: the NIXL notification ping-pong RTT and one raw WRITE of each size
+(post -> DONE). The W2 bounds are ``p50 <= 3 RTT + WRITE(S)`` and ``p99 <= 10 RTT + WRITE(S)``.
+
+Workloads:
+  W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight: kvown (receive -> send -> landed -> release
+      -> retired) vs B0 (B1 is B0 on the happy path), alternating repetitions; throughput ratio on the
+      receiver clock; and release -> retired, one session at a time.
+  W2  cancel rates 0/10/50/90 %, sizes 64 KiB .. 4 MiB, one session at a time, context-first (the
+      sender opens first, so its WRITE is posted as the publication arrives); a cancelled session is
+      cancelled after a seeded delay uniform in [0, WRITE(S)] - while its WRITE is in flight. kvown:
+      cancel -> retired. Violations, the same way for kvown, B0 and B1: when a slot is freed (retired
+      / freed at once / after the timeout) rank 0 fills it with a canary, waits ``--settle`` x WRITE(S)
+      and checks it; a changed canary is a write that landed after the slot was given back.
+  W3  fan-in: K = 1..(size-1) writers, each writing head slice i of K of every block (prefill TP=K ->
+      decode TP=1), 20 % cancelled: cancel -> retired and throughput vs K.
+
+Usage (the launcher builds this): ``mpirun -n 2 python -m kvown.apps.benchmarks.world --json out.json``.
+Every wait is bounded (``--deadline-s`` for the run, 10 s per event).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import numpy as np  # noqa: E402
+
+from kvown.apps.benchmarks.common import KIB, MIB, cdf, environment, pct, plot_figure, progress, save, size_name  # noqa: E402
+from kvown.apps.benchmarks.common import write_json  # noqa: E402
+
+RX = 0
+EVENT_WAIT_S = 10.0
+TAG_OPENED = 11
+CANARY = 0xA5
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def soft_barrier(comm: Any, deadline: float) -> None:
+    """A barrier that sleeps (Open MPI's spins a core; this machine may have two)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise BenchError("barrier past the run deadline")
+        time.sleep(1e-4)
+
+
+def soft_recv(comm: Any, source: int, tag: int, deadline: float) -> Any:
+    req = comm.irecv(source=source, tag=tag)
+    while True:
+        done, value = req.test()
+        if done:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError("receive past the run deadline")
+        time.sleep(2e-5)
+
+
+def wait_event(ev: Any, what: str) -> None:
+    if not ev.wait(EVENT_WAIT_S):
+        raise BenchError(f"{what} did not happen within {EVENT_WAIT_S} s")
+
+
+def spin_until_ns(t_ns: int) -> None:
+    while time.monotonic_ns() < t_ns:
+        os.sched_yield()
+
+
+def _sync(t: Any) -> None:
+    """Wait for the fills on a CUDA tensor (the canary must be in memory before anyone may write)."""
+    if t.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(t.device)
+
+
+def runs_of(blocks: tuple[int, ...]) -> int:
+    return 1 + sum(1 for a, b in zip(blocks, blocks[1:]) if b != a + 1) if blocks else 0
+
+
+class Rids:
+    """Request ids, identical on every rank (drawn in the same order); never reused."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def take(self, n: int) -> list[int]:
+        from kvown import make_request_id
+
+        out = [make_request_id(1, self.seq + i) for i in range(n)]
+        self.seq += n
+        return out
+
+
+# ---------------------------------------------------------------------------------------- B0 / B1
+
+
+class Raw:
+    """A second NixlEndpoint and buffer per rank for the baselines; rank 0 peers with every writer."""
+
+    def __init__(self, comm: Any, rank: int, nbytes: int, tag: str, device: str = "cpu") -> None:
+        import torch
+
+        from kvown.adapters.nixl import MemKind, NixlEndpoint
+
+        self.comm, self.rank = comm, rank
+        self.buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8, device=device)
+        self.mem = MemKind.VRAM if self.buf.device.type == "cuda" else MemKind.DRAM
+        self.device_id = self.buf.device.index or 0
+        self.ep = NixlEndpoint(f"bench-raw-{tag}-r{rank}")
+        self.ep.register_tensor(self.buf)
+        info = comm.allgather((self.ep.metadata(), self.buf.data_ptr()))
+        self.peers: dict[int, str] = {}
+        self.remote_addr: dict[int, int] = {}
+        for other, (md, addr) in enumerate(info):
+            if other != rank and (rank == RX or other == RX):
+                self.peers[other] = self.ep.add_peer(md)
+                self.remote_addr[other] = int(addr)
+        self.rank_of = {name: r for r, name in self.peers.items()}
+        self.addr = self.buf.data_ptr()
+        self.inbox: collections.deque = collections.deque()
+
+    def post(self, dst: int, src_off: int, dst_off: int, nbytes: int, notif: bytes | None) -> Any:
+        return self.ep.post_write(self.peers[dst], [(self.addr + src_off, nbytes)],
+                                  [(self.remote_addr[dst] + dst_off, nbytes)], self.mem, self.mem, notif=notif,
+                                  device_id=self.device_id, remote_device_id=self.device_id)
+
+    def wait_done(self, handle: Any, deadline: float) -> None:
+        from kvown.adapters.nixl import XferStatus
+
+        while True:
+            status = self.ep.poll(handle)
+            if status is XferStatus.DONE:
+                self.ep.release(handle)
+                return
+            if status is XferStatus.ERROR or time.monotonic() > deadline:
+                raise BenchError(f"raw WRITE ended {status}: {handle.error}")
+            self.pump()
+            os.sched_yield()
+
+    def pump(self) -> int:
+        got = self.ep.drain_notifs()
+        self.inbox.extend((self.rank_of.get(a), m) for a, m in got)
+        return len(got)
+
+    def take(self, prefix: bytes, deadline: float) -> tuple[int | None, bytes]:
+        """The next notification starting with ``prefix`` (others stay queued)."""
+        while True:
+            for i, (src, msg) in enumerate(self.inbox):
+                if msg.startswith(prefix):
+                    del self.inbox[i]
+                    return src, msg
+            if not self.pump():
+                os.sched_yield()
+            if time.monotonic() > deadline:
+                raise BenchError(f"raw: no {prefix!r} notification before the deadline")
+
+    def close(self) -> None:
+        self.ep.close()
+
+    # -- yardsticks (rank 0 against writer 1)
+
+    def rtt(self, iters: int, deadline: float) -> list[int]:
+        soft_barrier(self.comm, deadline)
+        out = []
+        if self.rank == RX:
+            for i in range(iters + 100):
+                t0 = time.perf_counter_ns()
+                self.ep.send_notif(self.peers[1], b"p%d" % i)
+                self.take(b"a%d" % i, deadline)
+                if i >= 100:
+                    out.append(time.perf_counter_ns() - t0)
+            self.ep.send_notif(self.peers[1], b"pend")
+        elif self.rank == 1:
+            while True:
+                _, msg = self.take(b"p", deadline)
+                if msg == b"pend":
+                    break
+                self.ep.send_notif(self.peers[RX], b"a" + msg[1:])
+        soft_barrier(self.comm, deadline)
+        return out
+
+    def write_latency(self, size: int, iters: int, deadline: float) -> list[int]:
+        """Writer 1 -> rank 0, post -> DONE, one at a time (rank 0 keeps progressing)."""
+        soft_barrier(self.comm, deadline)
+        out = []
+        if self.rank == 1:
+            for i in range(iters + 20):
+                t0 = time.perf_counter_ns()
+                self.wait_done(self.post(RX, 0, 0, size, None), deadline)
+                if i >= 20:
+                    out.append(time.perf_counter_ns() - t0)
+            self.ep.send_notif(self.peers[RX], b"wend")
+        elif self.rank == RX:
+            self.take(b"wend", deadline)
+        soft_barrier(self.comm, deadline)
+        return out
+
+    # -- W1 (B0): window of sessions from writer 1
+
+    def throughput(self, size: int, n: int, window: int, deadline: float) -> int:
+        soft_barrier(self.comm, deadline)
+        t0 = time.perf_counter_ns()
+        if self.rank == 1:
+            live: collections.deque = collections.deque()
+            for i in range(n):
+                if len(live) == window:
+                    self.wait_done(live.popleft(), deadline)
+                slot = (i % window) * size
+                live.append(self.post(RX, slot, slot, size, b"w%d" % i))
+            while live:
+                self.wait_done(live.popleft(), deadline)
+        elif self.rank == RX:
+            for _ in range(n):
+                self.take(b"w", deadline)
+        ns = time.perf_counter_ns() - t0
+        soft_barrier(self.comm, deadline)
+        return ns
+
+    # -- W2 (B0 / B1): one session at a time, cancel after a delay
+
+    def cancel_sweep(self, size: int, plan: list[tuple[bool, int]], hold_ns: int, settle_ns: int,
+                     deadline: float) -> dict[str, Any]:
+        """Per session: rank 0 says go; writer 1 posts one WRITE(S) with a notification. A cancelled
+        slot is freed ``hold_ns`` after the cancel (0: B0, at once; > 0: B1's timeout) and canaried."""
+        soft_barrier(self.comm, deadline)
+        violations, freed = 0, []
+        if self.rank == 1:
+            for i in range(len(plan)):
+                self.take(b"go", deadline)
+                self.wait_done(self.post(RX, 0, 0, size, b"w%d" % i), deadline)
+            self.take(b"end", deadline)
+        elif self.rank == RX:
+            slot = self.buf[:size]
+            for i, (cancel, delay_ns) in enumerate(plan):
+                t_go = time.monotonic_ns()
+                self.ep.send_notif(self.peers[1], b"go")
+                if not cancel:
+                    self.take(b"w%d" % i, deadline)
+                    continue
+                spin_until_ns(t_go + delay_ns)
+                t_cancel = time.monotonic_ns()
+                if hold_ns:
+                    spin_until_ns(t_cancel + hold_ns)
+                slot.fill_(CANARY)  # the slot is free again: the next request may use it
+                _sync(slot)
+                freed.append(time.monotonic_ns() - t_cancel)
+                end = time.monotonic_ns() + settle_ns
+                while time.monotonic_ns() < end:  # let a late write land (and keep progressing)
+                    self.pump()
+                    os.sched_yield()
+                violations += int(bool((slot != CANARY).any()))
+                self.take(b"w%d" % i, deadline)  # the writer's WRITE did finish; drop its notification
+            self.ep.send_notif(self.peers[1], b"end")
+        soft_barrier(self.comm, deadline)
+        return {"violations": violations, "freed_ns": freed}
+
+
+# ---------------------------------------------------------------------------------------- kvown
+
+
+def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
+                  bar: Any = None) -> dict[str, Any]:
+    from kvown import Outcome
+
+    soft_barrier(comm, deadline)
+    t0 = time.perf_counter_ns()
+    bad, runs = 0, 0
+    if rank == 1:
+        live: collections.deque = collections.deque()
+        for i, rid in enumerate(rids):
+            if len(live) == window:
+                h = live.popleft()
+                wait_event(h.released, "sender released")
+                bad += h.outcome.result(1) is not Outcome.COMPLETED
+            slot = i % window
+            live.append(rt.sender.send(rid, range(slot * nb, (slot + 1) * nb)))
+        while live:
+            h = live.popleft()
+            wait_event(h.released, "sender released")
+            bad += h.outcome.result(1) is not Outcome.COMPLETED
+    elif rank == RX:
+        receiver = rt.receiver
+        todo = collections.deque(rids)
+        live = collections.deque()  # published, not yet released
+        rel: collections.deque = collections.deque()  # released, not yet retired
+        done = 0
+        while done < len(rids):
+            while todo and len(live) + len(rel) < window:
+                h = receiver.receive(todo.popleft(), nb, writers=(1,))
+                runs += runs_of(h.blocks)
+                live.append(h)
+            if live:
+                h = live.popleft()
+                wait_event(h.landed, "landed")
+                receiver.release(h.request_id)
+                rel.append(h)
+            while rel and rel[0].retired.is_set():
+                h = rel.popleft()
+                bad += h.outcome.result(1) is not Outcome.COMPLETED
+                done += 1
+                if bar is not None:
+                    bar.update(1)
+            if rel and not live and (not todo or len(rel) >= window):
+                h = rel.popleft()
+                wait_event(h.retired, "retired")
+                bad += h.outcome.result(1) is not Outcome.COMPLETED
+                done += 1
+                if bar is not None:
+                    bar.update(1)
+            if time.monotonic() > deadline:
+                raise BenchError("kvown throughput past the run deadline")
+    ns = time.perf_counter_ns() - t0
+    soft_barrier(comm, deadline)
+    return {"ns": ns, "not_completed": bad, "dst_runs": runs}
+
+
+def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers: tuple[int, ...],
+                plan: list[tuple[bool, int]], settle_ns: int, canary: bool, deadline: float,
+                bar: Any = None) -> dict[str, Any]:
+    """One session at a time, context-first. ``plan[i] = (cancel, delay_ns)``; not cancelled means
+    landed -> release. Rank 0 canaries every retired destination and checks it after ``settle_ns``."""
+    soft_barrier(comm, deadline)
+    k = len(writers)
+    out: dict[str, Any] = collections.defaultdict(list)
+    outcomes: collections.Counter = collections.Counter()
+    if rank in writers:
+        sender = rt.sender
+        for i, rid in enumerate(rids):
+            h = sender.send(rid, range(nb))
+            req = comm.isend(i, dest=RX, tag=TAG_OPENED)  # context-first: opened before publication
+            wait_event(h.released, "sender released")
+            outcomes[h.outcome.result(1).value] += 1
+            req.wait()
+            if time.monotonic() > deadline:
+                raise BenchError("session phase past the run deadline")
+    elif rank == RX:
+        receiver, pool = rt.receiver, rt.engine.pool.tensor
+        block = rt.engine.pool.layout.block_nbytes
+        violations = 0
+        for i, rid in enumerate(rids):
+            for w in writers:
+                if soft_recv(comm, w, TAG_OPENED, deadline) != i:
+                    raise BenchError("ranks out of step")
+            h = receiver.receive(rid, nb, writers=writers, num_slices=k)
+            cancel, delay_ns = plan[i]
+            if cancel:
+                spin_until_ns(time.monotonic_ns() + delay_ns)
+                t_decide = time.monotonic_ns()
+                receiver.cancel(rid)
+            else:
+                wait_event(h.landed, "landed")
+                t_decide = time.monotonic_ns()
+                receiver.release(rid)
+            wait_event(h.retired, "retired")
+            outcome = h.outcome.result(1).value
+            outcomes[outcome] += 1
+            key = "cancel" if cancel else "release"
+            out[f"{key}_to_retired_ns"].append(h.retired_ns - t_decide)
+            if cancel and h.landed_ns:
+                out["landed_before_cancel"].append(1)
+            if not cancel and h.landed_ns:
+                out["publish_to_landed_ns"].append(h.landed_ns - h.opened_ns)
+            if canary:  # the blocks are FREE: nobody may write them any more
+                spans = [pool[b * block : (b + 1) * block] for b in h.blocks]
+                for span in spans:
+                    span.fill_(CANARY)
+                _sync(pool)
+                end = time.monotonic_ns() + settle_ns
+                while time.monotonic_ns() < end:
+                    os.sched_yield()
+                violations += sum(int(bool((span != CANARY).any())) for span in spans)
+            if bar is not None:
+                bar.update(1)
+        out["violations"] = violations
+    out["outcomes"] = dict(outcomes)
+    soft_barrier(comm, deadline)
+    return dict(out)
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvown bench world", description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="w1,w2,w3", help="comma list of w1, w2, w3")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=5, help="alternating raw/kvown repetitions per W1 size")
+    ap.add_argument("--w1-bytes", type=int, default=64 * MIB, help="bytes per W1 repetition")
+    ap.add_argument("--w1-sizes", default="64K,256K,1M,4M,16M")
+    ap.add_argument("--w2-sizes", default="64K,1M,4M")
+    ap.add_argument("--w2-rates", default="0,10,50,90")
+    ap.add_argument("--w2-sessions", type=int, default=250, help="sessions per (size, rate) point")
+    ap.add_argument("--w3-sessions", type=int, default=200, help="sessions per K")
+    ap.add_argument("--w3-blocks", type=int, default=16)
+    ap.add_argument("--b1-timeout-s", type=float, default=0.2)
+    ap.add_argument("--b1-sessions", type=int, default=5)
+    ap.add_argument("--settle", type=float, default=3.0, help="canary check after this many WRITE(S) + 1 ms")
+    ap.add_argument("--rtt-iters", type=int, default=2000)
+    ap.add_argument("--spin-s", type=float, default=0.05,
+                    help="engines keep polling this long after progress (the baselines poll all the time); "
+                         "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--deadline-s", type=float, default=900.0)
+    ap.add_argument("--no-carry", action="store_true",
+                    help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
+    ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
+    ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
+    ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per block")
+    ap.add_argument("--w3-rates", default="20", help="cancel percent in W3")
+    ap.add_argument("--w3-writers", default="", help="comma list of K for W3 (default: 1 .. ranks - 1)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())
+    ap.add_argument("--quick", action="store_true", help="few samples (smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.w1_bytes, args.w2_sessions, args.w3_sessions, args.b1_sessions = 1, 8 * MIB, 20, 10, 2
+        args.rtt_iters, args.warmup, args.w1_sizes, args.w2_sizes = 200, 5, "64K,1M,4M", "64K,1M"
+        args.w2_rates = "0,50"
+
+    from mpi4py import MPI
+
+    from kvown import KVLayout, TransferConfig, connect_mpi
+
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        print("kvown bench world: run under mpirun -n 2 (or more: writers for W3)", file=sys.stderr)
+        return 2
+    workloads = set(args.workloads.split(","))
+    writers = tuple(range(1, size))
+    heads = args.kv_heads or (2 if size <= 3 else 6)  # W3 slices heads among K writers: 6 divides by 1, 2, 3
+    w1_sizes = [_parse_size(s) for s in args.w1_sizes.split(",")]
+    w2_sizes = [_parse_size(s) for s in args.w2_sizes.split(",")]
+    t_start = time.monotonic()
+    deadline = t_start + args.deadline_s
+    rng = random.Random(args.seed)
+    window = args.window
+    tokens = args.tokens
+    geometry = dict(num_layers=args.layers, tokens_per_block=tokens, num_kv_heads=heads, head_dim=args.head_dim,
+                    dtype="bfloat16")
+    block = KVLayout.standard(num_blocks=1, **geometry).block_nbytes
+    w1_sizes = sorted({max(block, s // block * block) for s in w1_sizes})  # whole blocks
+    w2_sizes = sorted({max(block, s // block * block) for s in w2_sizes})
+    num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
+    layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
+    levers = {"carry_results": False} if args.no_carry else {}
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, **levers)
+    rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
+                     device=args.device)
+    tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
+    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device)
+    if rank != RX:  # fixed, seeded source bytes (never the canary value)
+        import torch
+
+        g = torch.Generator(device="cpu").manual_seed(args.seed + rank)
+        src = rt.engine.pool.tensor
+        src.copy_(torch.randint(0, 255, (src.numel(),), generator=g, dtype=torch.uint8).to(src.device))
+        src[src == CANARY] = 0
+        raw.buf.fill_((rank * 37) % 251 + 1)
+        _sync(src)
+    rids = Rids()
+    show = args.progress and rank == RX
+    result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
+                              "heads": heads, "engine_spin_s": config.spin_s,
+                              "carry_results": getattr(config, "carry_results", False),
+                              "engine_idle_sleep_s": config.idle_sleep_s,
+                              "args": {k: str(v) for k, v in vars(args).items()}}
+
+    # ---- yardsticks
+    rtt = raw.rtt(args.rtt_iters, deadline)
+    yard_sizes = sorted(set(w2_sizes) | {s for s in (64 * KIB, MIB, 4 * MIB) if s % block == 0 or s < block})
+    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), deadline) for s in yard_sizes}
+    yard = comm.bcast({"notif_rtt": pct(rtt) if rank == RX else None} if rank == RX else None, root=RX)
+    writes = comm.bcast({str(s): pct(v) for s, v in write_ns.items()} if rank == 1 else None, root=1)
+    result["notif_rtt"], result["raw_write"] = yard["notif_rtt"], writes
+    rtt_us = result["notif_rtt"]["p50_us"]
+
+    # ---- W1
+    if "w1" in workloads:
+        rows = []
+        with progress(len(w1_sizes) * args.reps, "W1 happy path", show) as bar:
+            for s in w1_sizes:
+                nb = s // block
+                n = int(min(1000, max(32, args.w1_bytes // s)))
+                row: dict[str, Any] = {"size": s, "sessions": n, "raw_gbps": [], "kvown_gbps": [], "not_completed": 0}
+                kv_throughput(rt, comm, rank, rids.take(min(n, 16)), nb, window, deadline)  # warm-up
+                for _ in range(args.reps):
+                    row["raw_gbps"].append(n * s / raw.throughput(s, n, window, deadline))
+                    k = kv_throughput(rt, comm, rank, rids.take(n), nb, window, deadline)
+                    row["kvown_gbps"].append(n * s / k["ns"])
+                    row["not_completed"] += k["not_completed"]
+                    row["dst_runs_per_session"] = k["dst_runs"] / n
+                    bar.update(1)
+                if rank == RX:
+                    row["raw_gbps_median"] = float(np.median(row["raw_gbps"]))
+                    row["kvown_gbps_median"] = float(np.median(row["kvown_gbps"]))
+                    row["ratio_of_medians"] = row["kvown_gbps_median"] / row["raw_gbps_median"]
+                    # the headline: the median of each repetition's kvown / raw, measured back to back, so a
+                    # machine whose load drifts between repetitions moves both sides of each ratio
+                    row["ratio"] = float(np.median([k / r for k, r in zip(row["kvown_gbps"], row["raw_gbps"])]))
+                rows.append(row)
+        # release -> retired, one session at a time (RL_complete), 64 KiB
+        plan = [(False, 0)] * (args.w2_sessions + args.warmup)
+        rl = kv_sessions(rt, comm, rank, rids.take(len(plan)), 64 * KIB // block or 1, (1,), plan, 0, False,
+                         deadline)
+        w1 = {"throughput": rows}
+        if rank == RX:
+            w1["release_to_retired"] = pct(rl["release_to_retired_ns"][args.warmup:])
+            w1["publish_to_landed"] = pct(rl["publish_to_landed_ns"][args.warmup:])
+            w1["release_to_retired_over_rtt"] = round(w1["release_to_retired"]["p50_us"] / rtt_us, 3)
+        result["w1"] = comm.bcast(w1 if rank == RX else None, root=RX)
+
+    # ---- W2
+    if "w2" in workloads:
+        rates = [int(r) for r in args.w2_rates.split(",")]
+        points = []
+        total = len(w2_sizes) * len(rates)
+        with progress(total, "W2 cancellation sweep", show) as bar:
+            for s in w2_sizes:
+                nb = max(1, s // block)
+                w_ns = int(result["raw_write"][str(s)]["p50_us"] * 1e3)
+                settle = int(args.settle * w_ns) + 1_000_000
+                for rate in rates:
+                    n = args.w2_sessions + args.warmup
+                    plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
+                    kv = kv_sessions(rt, comm, rank, rids.take(n), nb, (1,), plan, settle, True, deadline)
+                    b0 = raw.cancel_sweep(s, plan[args.warmup:], 0, settle, deadline)
+                    point: dict[str, Any] = {"size": s, "rate": rate, "sessions": n - args.warmup}
+                    if rank == RX:
+                        point.update(_w2_point(plan, kv, b0, args.warmup, rtt_us, w_ns / 1e3))
+                    points.append(point)
+                    bar.update(1)
+        # B1: a few cancelled sessions held for the timeout (its RL is the timeout by construction)
+        b1_plan = [(True, int(rng.uniform(0, int(result["raw_write"][str(max(w2_sizes))]["p50_us"] * 1e3))))
+                   for _ in range(args.b1_sessions)]
+        b1 = raw.cancel_sweep(max(w2_sizes), b1_plan, int(args.b1_timeout_s * 1e9), 1_000_000, deadline)
+        w2: dict[str, Any] = {"points": points}
+        if rank == RX:
+            w2["b1"] = {"timeout_s": args.b1_timeout_s, "size": max(w2_sizes), "sessions": len(b1_plan),
+                        "cancel_to_free": pct(b1["freed_ns"]), "violations": b1["violations"]}
+            cancelled = [p for p in points if p.get("kvown_cancel_to_retired", {}).get("n")]
+            w2["violations_kvown"] = sum(p["kvown_violations"] for p in points)
+            w2["violations_raw"] = sum(p["b0_violations"] for p in points)
+            w2["retire_p50_over_bound"] = max((p["p50_over_bound"] for p in cancelled), default=None)
+            w2["retire_p99_over_bound"] = max((p["p99_over_bound"] for p in cancelled), default=None)
+        result["w2"] = comm.bcast(w2 if rank == RX else None, root=RX)
+
+    # ---- W3
+    if "w3" in workloads:
+        rows = []
+        ks = [int(k) for k in args.w3_writers.split(",")] if args.w3_writers else list(range(1, len(writers) + 1))
+        with progress(len(ks), "W3 fan-in", show) as bar:
+            for k in ks:
+                n = args.w3_sessions + args.warmup
+                w_ns = int(result["raw_write"][str(min(int(k) for k in result["raw_write"]))]["p50_us"] * 1e3)
+                rate = int(args.w3_rates.split(",")[0])
+                plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
+                t0 = time.perf_counter_ns()
+                kv = kv_sessions(rt, comm, rank, rids.take(n), args.w3_blocks, writers[:k], plan, 0, False, deadline)
+                wall = time.perf_counter_ns() - t0
+                if rank == RX:
+                    row = {"writers": k, "sessions": n, "blocks": args.w3_blocks,
+                           "session_nbytes": args.w3_blocks * block,
+                           "cancel_to_retired": pct(kv.get("cancel_to_retired_ns", [])),
+                           "release_to_retired": pct(kv.get("release_to_retired_ns", [])),
+                           "sessions_per_s": round(n / (wall / 1e9), 1), "outcomes": kv["outcomes"]}
+                    rows.append(row)
+                bar.update(1)
+        result["w3"] = comm.bcast({"points": rows} if rank == RX else None, root=RX)
+
+    stats = comm.gather(rt.engine.statistics(), root=RX)
+    env = environment(args.seed) if rank == RX else None
+    soft_barrier(comm, deadline)
+    raw.close()
+    rt.close()
+    if rank == RX:
+        result["engine_statistics"] = stats
+        result["environment"] = env
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        report(result)
+        write_json(args.json, result)
+        if args.plot:
+            plot(result, args.plot)
+    return 0
+
+
+def _w2_point(plan: list[tuple[bool, int]], kv: dict[str, Any], b0: dict[str, Any], warmup: int, rtt_us: float,
+              write_us: float) -> dict[str, Any]:
+    cancel_ns = kv.get("cancel_to_retired_ns", [])
+    n_cancel_warm = sum(1 for c, _ in plan[:warmup] if c)
+    cancel_ns = cancel_ns[n_cancel_warm:]
+    bound50, bound99 = 3 * rtt_us + write_us, 10 * rtt_us + write_us
+    out: dict[str, Any] = {
+        "kvown_cancel_to_retired": pct(cancel_ns),
+        "kvown_release_to_retired": pct(kv.get("release_to_retired_ns", [])[warmup - n_cancel_warm:]),
+        "kvown_violations": kv.get("violations", 0), "kvown_outcomes": kv.get("outcomes", {}),
+        "b0_violations": b0["violations"], "b0_cancel_to_free": pct(b0["freed_ns"]),
+        "bound_p50_us": round(bound50, 1), "bound_p99_us": round(bound99, 1),
+        "samples_us": [round(x / 1e3, 1) for x in cancel_ns],
+    }
+    if cancel_ns:
+        s = out["kvown_cancel_to_retired"]
+        out["p50_over_bound"] = round(s["p50_us"] / bound50, 3)
+        out["p99_over_bound"] = round(s["p99_us"] / bound99, 3)
+    return out
+
+
+def _parse_size(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": KIB, "M": MIB}.get(t[-1], 1)
+    return int(t[:-1] if t[-1] in "KM" else t) * mult
+
+
+def report(r: dict[str, Any]) -> None:
+    e = r["environment"]
+    print(f"world ranks={r['ranks']}  python {e['python']}  nixl {e['nixl']}  ucx {e['ucx']}  cpus={e['cpus']}  "
+          f"load={e['loadavg'][0]}  block={r['block_nbytes'] // KIB} KiB  wall={r['wall_s']} s")
+    n = r["notif_rtt"]
+    print(f"yardsticks: notification RTT p50 {n['p50_us']} us (p99 {n['p99_us']}); raw WRITE p50 "
+          + ", ".join(f"{size_name(int(s))} {v['p50_us']} us" for s, v in r["raw_write"].items()))
+    if "w1" in r:
+        print("W1 happy path (window %d): session  raw GB/s  kvown GB/s  ratio  runs/session" % r["window"])
+        for row in r["w1"]["throughput"]:
+            print(f"  {size_name(row['size']):>8} {row['raw_gbps_median']:9.2f} {row['kvown_gbps_median']:10.2f} "
+                  f"{row['ratio']:6.2f}  {row.get('dst_runs_per_session', 0):.2f}")
+        rl = r["w1"]["release_to_retired"]
+        print(f"  release -> retired p50 {rl['p50_us']} us = {r['w1']['release_to_retired_over_rtt']} x RTT; "
+              f"1 block publish -> landed p50 {r['w1'].get('publish_to_landed', {}).get('p50_us')} us")
+    if "w2" in r:
+        print("W2 cancel sweep: size rate  kvown cancel->retired p50/p99 us  bound p50/p99  viol kvown/B0")
+        for p in r["w2"]["points"]:
+            c = p["kvown_cancel_to_retired"]
+            if c.get("n"):
+                print(f"  {size_name(p['size']):>7} {p['rate']:3d}%  {c['p50_us']:8.1f} / {c['p99_us']:8.1f}   "
+                      f"{p['bound_p50_us']:7.1f} / {p['bound_p99_us']:7.1f}   {p['kvown_violations']} / {p['b0_violations']}")
+            else:
+                print(f"  {size_name(p['size']):>7} {p['rate']:3d}%  (no cancels)   viol {p['kvown_violations']} / "
+                      f"{p['b0_violations']}")
+        b1 = r["w2"]["b1"]
+        print(f"  B1 (timeout {b1['timeout_s']} s): cancel -> free p50 {b1['cancel_to_free'].get('p50_us')} us, "
+              f"violations {b1['violations']}")
+        print(f"  worst p50/bound {r['w2']['retire_p50_over_bound']}, p99/bound {r['w2']['retire_p99_over_bound']}; "
+              f"violations kvown {r['w2']['violations_kvown']}, B0 {r['w2']['violations_raw']}")
+    if "w3" in r:
+        print("W3 fan-in: K  cancel->retired p50/p99 us  release->retired p50  sessions/s")
+        for p in r["w3"]["points"]:
+            c, rel = p["cancel_to_retired"], p["release_to_retired"]
+            print(f"  {p['writers']}  {c.get('p50_us', '-')} / {c.get('p99_us', '-')}   {rel.get('p50_us', '-')}   "
+                  f"{p['sessions_per_s']}")
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    panels = [k for k in ("w1", "w2", "w3") if k in r]
+    fig, axes = plot_figure(path, max(1, len(panels)), f"kvown bench world ({r['environment']['date']})")
+    i = 0
+    if "w1" in r:
+        ax, rows = axes[i], r["w1"]["throughput"]
+        x = np.arange(len(rows))
+        ax.bar(x, [row["ratio"] for row in rows], color="tab:blue")
+        ax.axhline(0.95, color="tab:red", ls="--", lw=1, label="target 0.95 (>= 4 MiB)")
+        ax.axhline(0.8, color="tab:orange", ls=":", lw=1, label="target 0.8 (1 MiB)")
+        ax.set_xticks(x, [size_name(row["size"]) for row in rows])
+        ax.set_ylabel("kvown / raw NIXL throughput")
+        ax.set_title("W1 throughput ratio")
+        ax.legend(fontsize=7)
+        i += 1
+    if "w2" in r:
+        ax = axes[i]
+        for p in r["w2"]["points"]:
+            if p.get("samples_us"):
+                cdf(ax, p["samples_us"], f"{size_name(p['size'])} {p['rate']}%")
+        ax.axvline(r["notif_rtt"]["p50_us"], color="grey", ls="--", lw=1, label="notif RTT p50")
+        ax.set_xscale("log")
+        ax.set_xlabel("cancel -> retired (us)")
+        ax.set_ylabel("CDF")
+        ax.set_title("W2 cancellation (kvown)")
+        ax.legend(fontsize=6)
+        i += 1
+    if "w3" in r:
+        ax, pts = axes[i], r["w3"]["points"]
+        ax.plot([p["writers"] for p in pts], [p["cancel_to_retired"].get("p50_us", 0) for p in pts], "o-",
+                label="cancel -> retired p50")
+        ax.plot([p["writers"] for p in pts], [p["release_to_retired"].get("p50_us", 0) for p in pts], "s-",
+                label="release -> retired p50")
+        ax.set_xlabel("writers K")
+        ax.set_ylabel("us")
+        ax.set_title("W3 fan-in")
+        ax.legend(fontsize=7)
+    save(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
