@@ -198,14 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         if role == "receiver" and "corrupt" in plants and k == 1:
 
             def scribble(d: Any) -> None:  # planted: a late write lands in a free (retired) block
-                d.pool.block_view(d.pool._free[-1]).view(-1)[0] ^= 0xFF
+                # the lowest free block: the allocator hands out low runs first, so it was used and
+                # retired with a canary (a never-used block has no canary to break)
+                d.pool.block_view(d.pool.free_blocks()[0]).view(-1)[0] ^= 0xFF
 
             rt.engine.call(scribble)
         canary_broken = 0  # counted here only (run_receiver's own check would count a block twice)
         if role == "receiver":
 
             def check_canaries(d: Any) -> int:
-                broken = d.canaries.check(tuple(d.pool._free))
+                broken = d.canaries.check(d.pool.free_blocks())
                 d.canaries.fill(tuple(b.block for b in broken))  # count once, keep the soak running
                 return len(broken)
 
