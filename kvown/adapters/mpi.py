@@ -65,22 +65,36 @@ class QualifiedWorld:
         return tuple(p.pid for p in self.peers)
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), None if unknown.
-
-    Called: at qualification and before each sweep kill. After error: None (no /proc, or gone).
-    """
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/PID/stat`` fields from field 3 (state) on, or None (no /proc, or gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses; fields after the last ")" are plain.
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), None if unknown.
+
+    Called: at qualification and before each sweep kill. After error: None (no /proc, or gone).
+    """
+    fields = _stat_fields(pid)
     try:
-        return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
+        return int(fields[19]) if fields is not None else None  # field 22 overall; fields[0] is field 3
     except (IndexError, ValueError):
         return None
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True while ``pid`` runs and is not a zombie, and, given ``start_ticks``, is the same process: on a
+    busy machine a dead rank's PID is reused within seconds. Called: by launchers watching ranks."""
+    fields = _stat_fields(pid)
+    if not fields or fields[0] == b"Z":
+        return False
+    return start_ticks is None or (len(fields) > 19 and fields[19].isdigit() and int(fields[19]) == start_ticks)
 
 
 def _import_mpi() -> Any:

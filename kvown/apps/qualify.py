@@ -40,6 +40,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from kvown.adapters.mpi import process_alive
 from kvown.apps.launch import kill_group, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,16 +80,6 @@ class WorldRun:
     ranks: dict[int, dict]  # from KVOWN-RANK lines
     tagged: dict[str, list[dict]]  # other KVOWN-* lines by tag
     all_gone_ns: int | None  # monotonic ns when every listed PID was seen gone (sees_pids only)
-
-
-def _pid_alive(pid: int, start_ticks: int | None) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return fields[0] != b"Z" and (start_ticks is None or int(fields[19]) == start_ticks)
 
 
 def run_world(
@@ -155,7 +146,7 @@ def run_world(
                 exit_ns = now
             every_rank_listed = len(found) == ranks or (exit_ns is not None and found)
             if watch_pids and all_gone_ns is None and every_rank_listed:
-                if not any(_pid_alive(int(r["pid"]), r.get("start_ticks")) for r in found.values()):
+                if not any(process_alive(int(r["pid"]), r.get("start_ticks")) for r in found.values()):
                     all_gone_ns = now
             if exit_ns is not None and (not watch_pids or all_gone_ns is not None or not found):
                 break

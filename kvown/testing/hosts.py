@@ -56,6 +56,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvown.adapters.mpi import process_start_ticks
 from kvown.apps.launch import mpirun_command as _base_mpirun_command
 
 PREFIX_NS = "kvown-"  # namespace (and host) names: kvown-<run>-<i>
@@ -124,17 +125,8 @@ def _unlock(fd: int) -> None:
     os.close(fd)
 
 
-def _start_ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _owner_alive(state: dict) -> bool:
-    ticks = _start_ticks(int(state.get("owner_pid", -1)))
+    ticks = process_start_ticks(int(state.get("owner_pid", -1)))
     return ticks is not None and ticks == state.get("owner_start_ticks")
 
 
@@ -376,7 +368,7 @@ class TestHosts:
         state = {
             "run_id": self.run_id,
             "owner_pid": os.getpid(),
-            "owner_start_ticks": _start_ticks(os.getpid()),
+            "owner_start_ticks": process_start_ticks(os.getpid()),
             "namespaces": [h.name for h in self.hosts],
             "links": [self.bridge, *(h.veth for h in self.hosts)],
             "run_dir": str(self.run_dir),

@@ -16,21 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvown.adapters.mpi import process_alive
 from kvown.testing.hosts import TestHosts
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLDS = Path(__file__).resolve().parent / "worlds"
-
-
-def pid_alive(pid: int, start_ticks: int | None) -> bool:
-    """True while ``pid`` is the same process (start time) and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return fields[0] != b"Z" and (start_ticks is None or int(fields[19]) == start_ticks)
 
 
 @dataclass
@@ -52,7 +42,7 @@ class World:
         return [
             r
             for r, i in infos.items()
-            if (ranks is None or r in ranks) and pid_alive(i["pid"], i["start_ticks"])
+            if (ranks is None or r in ranks) and process_alive(i["pid"], i["start_ticks"])
         ]
 
     def wait_file(self, name: str, timeout_s: float) -> dict | None:
@@ -97,7 +87,7 @@ class World:
             except ProcessLookupError:
                 pass
         for info in self.infos().values():
-            if pid_alive(info["pid"], info["start_ticks"]):
+            if process_alive(info["pid"], info["start_ticks"]):
                 os.kill(info["pid"], signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from worldkit import ROOT, WORLDS, mpirun
 
-from kvown.adapters.mpi import process_start_ticks
+from kvown.adapters.mpi import process_alive
 from kvown.runtime.flight import read_flight_file
 
 WORLD = WORLDS / "crash_world.py"
@@ -21,17 +21,6 @@ MODES = ("gen-first", "ctx-first", "fan-in", "broadcast")
 GRACE_S = 1.0  # KVOWN_RANK_CRASH_GRACE_S of every world
 BOUND_S = 90.0  # a whole world, start-up included; only a hang gets near it
 PROOF = ("KV_RESULT", "SESSION_QUIESCED")
-
-
-def pid_alive(pid: int, start_ticks: int | None) -> bool:
-    """Alive and not a zombie, and the same process: on a busy machine a dead rank's PID is reused
-    within seconds, so the start time must match too."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            alive = f.read().split(b") ", 1)[1][:1] != b"Z"
-    except OSError:
-        return False
-    return alive and (start_ticks is None or process_start_ticks(pid) == start_ticks)
 
 
 def run_cell(
@@ -73,7 +62,7 @@ def run_cell(
             }
         if crash is None and (tmp_path / "crash.json").exists():
             crash = json.loads((tmp_path / "crash.json").read_text())
-        if crash is not None and len(pids) == ranks and not any(pid_alive(*p) for p in pids.values()):
+        if crash is not None and len(pids) == ranks and not any(process_alive(*p) for p in pids.values()):
             gone_ns = time.monotonic_ns()
             break
         time.sleep(0.002)
@@ -84,7 +73,7 @@ def run_cell(
         output = proc.communicate()[0]
     if crash is None and (tmp_path / "crash.json").exists():
         crash = json.loads((tmp_path / "crash.json").read_text())
-    if gone_ns is None and crash is not None and pids and not any(pid_alive(*p) for p in pids.values()):
+    if gone_ns is None and crash is not None and pids and not any(process_alive(*p) for p in pids.values()):
         gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
     flights = {}
     for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(

@@ -12,16 +12,10 @@ from pathlib import Path
 import pytest
 from worldkit import ROOT, WORLDS, mpirun
 
+from kvown.adapters.mpi import process_alive
+
 WORLD = WORLDS / "runtime_world.py"
 BOUND_S = 60.0
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except OSError:
-        return False
 
 
 def launch(scenario: str, ranks: int, tmp_path: Path, **env: str) -> tuple[subprocess.Popen, dict[int, dict], float]:
@@ -61,7 +55,7 @@ def watch_until_gone(proc: subprocess.Popen, tmp_path: Path, ranks: int, key: st
     while time.monotonic() < deadline:
         rep = reports(tmp_path, ranks).get(0, {})
         start_ns = rep.get(key, start_ns)
-        if start_ns is not None and not any(pid_alive(p) for p in pids.values()):
+        if start_ns is not None and not any(process_alive(p) for p in pids.values()):
             gone_ns = time.monotonic_ns()
             return (gone_ns - start_ns) / 1e9, finish(proc)
         time.sleep(0.002)
@@ -110,7 +104,7 @@ def test_without_the_exit_hooks_the_world_hangs(tmp_path):
         time.sleep(0.01)
     pids = [rep["pid"] for rep in reports(tmp_path, 3).values()]
     time.sleep(4.0)
-    alive = [p for p in pids if pid_alive(p)]
+    alive = [p for p in pids if process_alive(p)]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert len(pids) == 3 and len(alive) >= 2, f"the mutant world did not hang: alive {alive} of {pids}"

@@ -15,22 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvown.adapters.mpi import process_alive
+
 RANK_SCRIPT = Path(__file__).with_name("failstop_rank.py")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MPIRUN = str(Path(sys.executable).parent / "mpirun")
-
-
-def pid_alive(pid: int, start_ticks: int | None) -> bool:
-    """True while ``pid`` is the same process (start time) and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if fields[0] == b"Z":
-        return False
-    return start_ticks is None or int(fields[19]) == start_ticks
 
 
 @dataclass
@@ -51,7 +40,7 @@ class WorldRun:
         return (self.out_dir / "mpirun.stdout").read_text(errors="replace")
 
     def alive_pids(self) -> list[int]:
-        return [i["pid"] for i in self.infos.values() if pid_alive(i["pid"], i["start_ticks"])]
+        return [i["pid"] for i in self.infos.values() if process_alive(i["pid"], i["start_ticks"])]
 
 
 def run_world(
