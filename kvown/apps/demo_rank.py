@@ -77,8 +77,19 @@ def layout_for(args: argparse.Namespace, num_blocks: int | None = None) -> KVLay
     return KVLayout.standard(**shape, dtype="bfloat16")
 
 
-def add_content_args(ap: argparse.ArgumentParser) -> None:
-    """What the blocks hold and where the pools live (the demo's and the soak's ranks)."""
+def add_workload_args(ap: argparse.ArgumentParser, *, requests: int, cancel_rate: float,
+                      requests_help: str | None = None) -> None:
+    """The workload, what the blocks hold and where the pools live (the demo's and the soak's ranks)."""
+    ap.add_argument("--requests", type=int, default=requests, help=requests_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cancel-rate", type=float, default=cancel_rate)
+    ap.add_argument("--max-blocks", type=int, default=16)
+    ap.add_argument("--pool-blocks", type=int, default=512)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--context-first", action="store_true")
+    ap.add_argument("--fan-in", action="store_true")
+    ap.add_argument("--timeout-s", type=float, default=5.0)
+    ap.add_argument("--fault", default="")
     ap.add_argument("--dtype", choices=["bfloat16", "nvfp4"], default="bfloat16")
     ap.add_argument("--scale-layout", choices=["inline", "separate"], default="inline")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -230,18 +241,8 @@ def _apply_mutant(name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown.apps.demo_rank")
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cancel-rate", type=float, default=0.2)
-    ap.add_argument("--max-blocks", type=int, default=16)
-    ap.add_argument("--pool-blocks", type=int, default=512)
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--context-first", action="store_true")
-    ap.add_argument("--fan-in", action="store_true")
-    add_content_args(ap)
-    ap.add_argument("--timeout-s", type=float, default=5.0)
+    add_workload_args(ap, requests=2000, cancel_rate=0.2)
     ap.add_argument("--grace-s", type=float, default=None)
-    ap.add_argument("--fault", default="")
     ap.add_argument("--deadline-s", type=float, default=120.0)
     ap.add_argument("--switch-interval-s", type=float, default=2e-4)
     ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests: prove the checks catch a bug

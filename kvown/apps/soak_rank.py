@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from kvown.apps.demo_rank import add_content_args, layout_for, make_plan, run_receiver, run_sender
+from kvown.apps.demo_rank import add_workload_args, layout_for, make_plan, run_receiver, run_sender
 from kvown.core.actions import FailStop
 from kvown.core.ids import make_request_id
 from kvown.rank import connect_mpi
@@ -90,17 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grace-run-s", type=float, default=120.0, help="a round may overrun the duration by this"
     )
-    ap.add_argument("--requests", type=int, default=150, help="requests per round (per world)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cancel-rate", type=float, default=0.3)
-    ap.add_argument("--max-blocks", type=int, default=16)
-    ap.add_argument("--pool-blocks", type=int, default=512)
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--context-first", action="store_true")
-    ap.add_argument("--fan-in", action="store_true")
-    ap.add_argument("--timeout-s", type=float, default=5.0)
-    ap.add_argument("--fault", default="")
-    add_content_args(ap)
+    add_workload_args(ap, requests=150, cancel_rate=0.3, requests_help="requests per round (per world)")
     ap.add_argument("--hang-timeout-s", type=float, default=5.0)
     ap.add_argument("--plant", default="", help=argparse.SUPPRESS)  # comma list of PLANTS (tests)
     ap.add_argument("--out", required=True, help="directory for samples-rank{R}.jsonl")
