@@ -385,3 +385,17 @@ class ClosingStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             finally:
                 self.on_close()
+
+
+def add_status_routes(app: Any, health: Callable[[], dict[str, Any]], registry: Any) -> None:
+    """``GET /health`` (the server's own JSON) and ``GET /metrics`` (Prometheus text) on ``app``."""
+    from fastapi.responses import Response
+    from prometheus_client import generate_latest
+
+    @app.get("/health")
+    async def _health() -> dict[str, Any]:
+        return health()
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")

@@ -36,12 +36,18 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
 from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
 from kvown.apps.serve import protocol as api
-from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response, serve_app
+from kvown.apps.serve.protocol import (
+    ClosingStream,
+    add_status_routes,
+    cluster_prefix,
+    error_response,
+    serve_app,
+)
 from kvown.core.ids import MAX_EPOCH, MAX_SEQ, make_request_id
 
 
@@ -316,13 +322,7 @@ class Router:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvown serve router", docs_url=None, redoc_url=None)
 
-        @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return self.health()
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+        add_status_routes(app, self.health, self.registry)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

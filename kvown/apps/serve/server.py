@@ -41,14 +41,20 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
 from kvown.apps.serve import protocol as api
 from kvown.apps.serve.kvlink import KVLink, RecvHandle, TransferFailed
 from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, PagedKVCache, TinyLM, sample
-from kvown.apps.serve.protocol import ClosingStream, cluster_prefix, error_response, serve_app
+from kvown.apps.serve.protocol import (
+    ClosingStream,
+    add_status_routes,
+    cluster_prefix,
+    error_response,
+    serve_app,
+)
 from kvown.core.errors import KvownError, PeerProtocolError
 
 ROLES = ("single", "prefill", "decode")
@@ -506,13 +512,7 @@ class Server:
         app = FastAPI(title=f"kvown serve {self.config.role}", docs_url=None, redoc_url=None)
         role = self.config.role
 
-        @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return self.health()
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+        add_status_routes(app, self.health, self.registry)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
