@@ -42,7 +42,7 @@ Crash points (``CRASH_POINTS``), named by what this rank's transport sees, never
                    canaries are not stamped yet and the API has not heard (receiver; through the
                    driver's ``probe`` hook, which ``kvown.rank`` points at ``FaultyTransport.probe``)
 The wrapper reads a frame's kinds from its msgpack body (its own frames, single or batch: no key
-needed), and only when the plan names a frame crash point; a batch fires the first point its messages name.
+needed), and only when the plan names a frame crash point; a batch passes every point its messages name.
 
 Rules:
   1. Time comes from the injected ``clock`` (the simulator's, or ``time.monotonic_ns``); nothing
@@ -109,11 +109,11 @@ def frame_kinds(frame: bytes) -> tuple[ControlKind, ...]:
         return ()
 
 
-def _points(kinds: tuple[ControlKind, ...]) -> tuple[str | None, str | None]:
-    """A frame's crash points: the first message's that has one before the send, and after it."""
-    before = next((_SEND_POINTS[k][0] for k in kinds if k in _SEND_POINTS and _SEND_POINTS[k][0]), None)
-    after = next((_SEND_POINTS[k][1] for k in kinds if k in _SEND_POINTS), None)
-    return before, after
+def _points(kinds: tuple[ControlKind, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A frame's crash points before the send and after it: each point its messages name, once, in
+    message order (a batch of a KV_RESULT and a SESSION_QUIESCED passes both after-points)."""
+    points = [_SEND_POINTS[k] for k in kinds if k in _SEND_POINTS]
+    return (tuple(dict.fromkeys(b for b, _ in points if b)), tuple(dict.fromkeys(a for _, a in points if a)))
 
 
 def _kinds_label(kinds: tuple[ControlKind, ...]) -> str:
@@ -262,9 +262,9 @@ class FaultyTransport:
     def send(self, rank: int, frame: bytes) -> None:
         self._flush_out()
         p = self.profile
-        kinds = frame_kinds(frame) if self._frame_points else ()
-        points = _points(kinds)
-        self._crash(points[0])
+        before, after = _points(frame_kinds(frame)) if self._frame_points else ((), ())
+        for point in before:
+            self._crash(point)
         if self._fires("send-raise", p.p_send_raise):
             self.raised.setdefault(frame, self.clock())
             raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
@@ -289,7 +289,8 @@ class FaultyTransport:
                 heapq.heappush(self._out, (self.clock() + delay, self._order, rank, frame))
             else:
                 self.inner.send(rank, frame)
-        self._crash(points[1])
+        for point in after:
+            self._crash(point)
         if self._fires("send-raise-after", p.p_send_raise_after):
             raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
 
@@ -309,7 +310,8 @@ class FaultyTransport:
                 except AdapterError:
                     self.counts["notif-lost"] += 1
         if self._frame_points:
-            self._crash(_points(frame_kinds(frame))[1])  # a carried KV_RESULT was just sent
+            for point in _points(frame_kinds(frame))[1]:  # a carried KV_RESULT was just sent
+                self._crash(point)
 
     def _flush_out(self) -> None:
         now = self.clock()
