@@ -50,6 +50,7 @@ def summarize(results: list[dict[str, Any]], wall_s: float, args: argparse.Names
         "device": args.device,
         "requests_completed": sum(r["completed"] for r in rx),
         "requests_cancelled": sum(r["cancelled"] for r in rx),
+        "requests_aborted": sum(r["aborted"] for r in rx),
         "requests_failed": sum(r["failed"] for r in rx),
         "requests_unfinished": sum(r["unfinished"] for r in rx),
         "bytes_transferred": nbytes,
@@ -73,7 +74,8 @@ def print_table(s: dict[str, Any]) -> None:
     rows = [
         ("mode", s["mode"]),
         ("KV format / device", f"{s['kv_format']} / {s['device']}"),
-        ("requests completed / cancelled / failed", f"{s['requests_completed']} / {s['requests_cancelled']} / {s['requests_failed']}"),
+        ("requests completed / cancelled / aborted by the writer / failed",
+         f"{s['requests_completed']} / {s['requests_cancelled']} / {s['requests_aborted']} / {s['requests_failed']}"),
         ("bytes transferred", f"{s['bytes_transferred'] / 2**20:.1f} MiB ({s['gbps']:.2f} GB/s)"),
         ("cancel -> retired p50 / p99", f"{s['retire_latency_p50_us']:.0f} us / {s['retire_latency_p99_us']:.0f} us"),
         ("release -> retired p50 / p99", f"{s['release_to_retired_p50_us']:.0f} us / {s['release_to_retired_p99_us']:.0f} us"),

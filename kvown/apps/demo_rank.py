@@ -146,7 +146,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     pending = list(reversed(mine))
     go: dict[int, int] = {}
     open_: dict[int, tuple[Planned, object, float]] = {}
-    out = {"role": "receiver", "completed": 0, "cancelled": 0, "failed": 0, "bytes": 0, "corrupted_blocks": 0,
+    out = {"role": "receiver", "completed": 0, "cancelled": 0, "aborted": 0, "failed": 0, "bytes": 0, "corrupted_blocks": 0,
            "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [], "canary_broken": 0}
     block_nbytes = pool.layout.block_nbytes
     content = KVContent(pool, max_blocks=args.max_blocks)
@@ -198,6 +198,8 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
                 elif outcome is Outcome.CANCELLED:
                     out["cancelled"] += 1
                     out["retire_cancel_us"].append((handle.retired_ns - handle.cancelled_ns) / 1e3)
+                elif outcome is Outcome.FAILED and p.cancel == "tx_mid":
+                    out["aborted"] += 1  # the plan's prefill-side abort: the writer failed the session
                 else:
                     out["failed"] += 1
                 del open_[rid]

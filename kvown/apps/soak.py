@@ -114,9 +114,10 @@ def world_figures(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, A
     totals = [s["totals"] for s in receivers]
     return {
         "rounds": 1 + max((s["round"] for s in samples), default=-1),
-        "sessions": sum(t["completed"] + t["cancelled"] + t["failed"] for t in totals),
+        "sessions": sum(_sessions(t) for t in totals),
         "completed": sum(t["completed"] for t in totals),
         "cancelled": sum(t["cancelled"] for t in totals),
+        "aborted": sum(t["aborted"] for t in totals),  # the plan's prefill-side aborts
         "failed": sum(t["failed"] for t in totals),
         "unfinished": sum(s["totals"]["unfinished"] for s in last.values()),
         "verified_blocks": sum(t["verified_blocks"] for t in totals),
@@ -136,6 +137,11 @@ def world_figures(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, A
         "bytes_written": sum(s["counters"]["bytes_written"] for s in last.values()),
         "faults_injected": faults,
     }
+
+
+def _sessions(totals: dict[str, int]) -> int:
+    """Receive sessions that ended, however they ended."""
+    return totals["completed"] + totals["cancelled"] + totals["aborted"] + totals["failed"]
 
 
 def run_world(
@@ -319,7 +325,7 @@ def plot(worlds: list[dict], path: str) -> None:
         by_round: dict[int, int] = {}
         for s in rx:
             t = s["totals"]
-            by_round[s["round"]] = by_round.get(s["round"], 0) + t["completed"] + t["cancelled"] + t["failed"]
+            by_round[s["round"]] = by_round.get(s["round"], 0) + _sessions(t)
         times = {s["round"]: s["t_s"] for s in rx}
         ax_sessions.plot(
             [(offset + times[k]) / 60 for k in sorted(by_round)],

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {
         "completed": 0,
         "cancelled": 0,
+        "aborted": 0,
         "failed": 0,
         "unfinished": 0,
         "corrupted_blocks": 0,
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in (
                 "completed",
                 "cancelled",
+                "aborted",
                 "failed",
                 "unfinished",
                 "corrupted_blocks",
