@@ -10,7 +10,8 @@ is set (the bootstrap wraps the transport), and the simulator always wraps. Faul
   control frames   a send that raises before it sent (``send-raise``), after it sent
                    (``send-raise-after``); a frame silently dropped (``drop-frame``), duplicated,
                    delayed (which reorders), or delivered late (``slow-control``, order kept);
-                   a receive that raises
+                   a receive that raises. ``drop-frame`` and ``late-frame`` count and hit a WRITE's
+                   own notification (a carried KV_RESULT) as one more frame
   WRITEs           refused before posting; a post that raises although the WRITE is on the wire
                    (in doubt); ERROR, then DONE later or never; a WRITE that finishes late
                    (``slow-writer``) or never reports (``stuck-writer``); a release that fails
@@ -269,14 +270,7 @@ class FaultyTransport:
             self.raised.setdefault(frame, self.clock())
             raise AdapterError("injected: send_notif raised before sending", op="send_notif", peer=rank)
         self.raised.pop(frame, None)
-        if self._fires("drop-frame", p.p_drop):
-            self.counts[f"dropped_{_kinds_label(frame_kinds(frame))}"] += 1
-            return
-        late = self.plan.get("late-frame")
-        if late is not None and late.fires(self.rng):
-            self.counts[f"late_{_kinds_label(frame_kinds(frame))}"] += 1
-            self._order += 1
-            heapq.heappush(self._out, (self.clock() + late.ms * 1_000_000, self._order, rank, frame))
+        if self._lost_or_late(rank, frame):
             return
         copies = [frame, frame] if self._fires("dup", p.p_dup) else [frame]
         if self._fires("corrupt", p.p_corrupt):
@@ -294,10 +288,27 @@ class FaultyTransport:
         if self._fires("send-raise-after", p.p_send_raise_after):
             raise AdapterError("injected: send_notif raised after sending", op="send_notif", peer=rank)
 
+    def _lost_or_late(self, rank: int, frame: bytes) -> bool:
+        """``drop-frame`` / ``late-frame`` for one notification, ordered or carried by a WRITE: True when
+        it was lost, or held back to leave ``ms`` later."""
+        if self._fires("drop-frame", self.profile.p_drop):
+            self.counts[f"dropped_{_kinds_label(frame_kinds(frame))}"] += 1
+            return True
+        late = self.plan.get("late-frame")
+        if late is not None and late.fires(self.rng):
+            self.counts[f"late_{_kinds_label(frame_kinds(frame))}"] += 1
+            self._order += 1
+            heapq.heappush(self._out, (self.clock() + late.ms * 1_000_000, self._order, rank, frame))
+            return True
+        return False
+
     def _send_notif(self, rank: int, frame: bytes) -> None:
-        """A WRITE's notification: with a frame's latency (NIXL orders it against no other notification)
-        and, with ``p_dup``, delivered twice (a replay: the receiver must count it once)."""
+        """A WRITE's notification: lost or late as a control frame can be, with a frame's latency (NIXL
+        orders it against no other notification) and, with ``p_dup``, delivered twice (a replay: the
+        receiver must count it once)."""
         p = self.profile
+        if self._lost_or_late(rank, frame):
+            return
         copies = 2 if self._fires("dup-carried", p.p_dup) else 1
         for _ in range(copies):
             delay = self._latency(p.frame_delay_ns)

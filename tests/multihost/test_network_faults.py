@@ -42,7 +42,8 @@ def reuse_problems(world: World) -> list[str]:
         problems.append("the receiver never probed the pool while the link was down")
     for e in probes:
         if e["oversized_request"] != "refused":
-            problems.append(f"a request for more than the free blocks was served ({e['pool']})")
+            problems.append(f"a request for more than the free blocks was not refused: {e['oversized_request']} "
+                            f"({e['pool']})")
         if e["overlap_with_held"]:
             problems.append(f"blocks of request L were handed out again: {e['overlap_with_held']}")
         if not e["free_request_blocks"]:

@@ -76,9 +76,7 @@ def run_cell(
     if gone_ns is None and crash is not None and pids and not any(process_alive(*p) for p in pids.values()):
         gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
     flights = {}
-    for path in list(tmp_path.glob("kvown-flight-rank*.jsonl")) + list(
-        tmp_path.glob("term/kvown-flight-rank*.jsonl")
-    ):
+    for path in [p for where in ("", "term/", "end/") for p in tmp_path.glob(f"{where}kvown-flight-rank*.jsonl")]:
         records = read_flight_file(path)
         if records:
             flights.setdefault(records[0]["rank"], []).append(records)

@@ -1,13 +1,22 @@
 """Lost and late notifications in real mpirun worlds (issue 11; the exhaustive version by position is
 tests/sim/test_lost_frames.py).
 
-The crash world's workload (tests/multiproc/worlds/crash_world.py, no crash point) with one control
-frame lost, held back past the deadline, or failing to send, over real NIXL notifications. Transfer
-timeout and grace are 1 s each. A lost or late frame must end in a fail-stop at the deadline
-(exit 75, the receiver's flight recorder names the request and its unproven writer) - never a hang,
-and never a retirement without proof from every writer. A send that raised is resent: the world ends
-normally. The deadline check turns red on a planted bug: a receiver that frees on its timeout instead
-(``test_planted_timer_free_is_caught``).
+The crash world's workload (tests/multiproc/worlds/crash_world.py, no crash point) with one
+notification lost, held back past the deadline, or failing to send, over real NIXL. Transfer timeout
+and grace are 1 s each. Two honest endings, and never a hang or a retirement without proof from every
+writer:
+
+  fail-stop   a lost or late *ordered* control frame (a REQUEST_DATA, a CANCEL_SESSION, a
+              SESSION_QUIESCED) leaves a hole in its stream: the world fail-stops at the deadline
+              (exit 75, the receiver's flight recorder names the request and its unproven writer);
+  recovered   a lost or late *carried* result (a KV_RESULT riding on its WRITE as the NIXL
+              notification, outside the ordered streams): the session times out, the receiver's
+              cancel reaches a writer that is already quiescent, and its SESSION_QUIESCED is the proof
+              that lets the blocks go (exit 0; a late copy of the result is stale, counted, not
+              disputed).
+
+A send that raised is resent: the world ends normally. The deadline check turns red on a planted
+bug: a receiver that frees on its timeout instead (``test_planted_timer_free_is_caught``).
 """
 
 from __future__ import annotations
@@ -49,34 +58,56 @@ def check_deadline_fail_stop(cell: dict) -> None:
     assert not any(e["kind"] == "retire" and e["request_id"] == rid for e in events)
 
 
-CASES = {  # id -> fault plan (writer rank 0 sends KV_RESULT, SESSION_QUIESCED; receiver rank 1 REQUEST_DATA,
-    # CANCEL_SESSION; request 0 completes, request 1 is cancelled right after publication)
-    "writer-drops-its-first-kv-result": "drop-frame:rank=0:nth=1",
-    "writer-drops-its-third-frame": "drop-frame:rank=0:nth=3",
-    "receiver-drops-a-request-data": "drop-frame:rank=1:nth=4",
-    "receiver-drops-a-cancel": "drop-frame:rank=1:nth=3",
-    "writer-first-kv-result-5s-late": "late-frame:rank=0:nth=1:ms=5000",
-    "receiver-gets-every-frame-3s-late": "slow-control:rank=1:ms=3000",
+def check_recovered_with_proof(cell: dict, *, timed_out: bool = True) -> None:
+    out = cell["output"][-2500:]
+    assert cell["rc"] == 0, f"exit {cell['rc']}, want 0 (recovered)\n{out}"
+    dumps = [r for r in cell["flights"].get(cell["receiver"], []) if r[0]["reason"] == "end"]
+    assert dumps, f"no end-of-world recorder from the receiver\n{out}"
+    events = [r for r in dumps[0] if r["type"] == "event"]
+    problems = retirements_without_proof(events)
+    assert not problems, problems
+    concluded = [e for e in events if e["kind"] == "conclude"]
+    assert not timed_out or any(e["detail"]["outcome"] == "timed_out" for e in concluded), concluded
+    end = json.loads((cell["out"] / "rank1.end.json").read_text())
+    assert end["pool"]["free"] == end["pool"]["total"], end["pool"]
+
+
+# id -> (fault plan, ending). Writer rank 0's notifications: the carried KV_RESULT of each completed
+# request, SESSION_QUIESCED of the cancelled ones; receiver rank 1's: REQUEST_DATA, CANCEL_SESSION.
+# Request 0 completes, request 1 is cancelled right after publication, and so on.
+CASES = {
+    "writer-drops-its-first-kv-result": ("drop-frame:rank=0:nth=1", "recovered"),
+    # the third is a carried result or a SESSION_QUIESCED, as timing decides which proof a cancel gets
+    "writer-drops-its-third-frame": ("drop-frame:rank=0:nth=3", "either"),
+    "receiver-drops-a-request-data": ("drop-frame:rank=1:nth=4", "fail-stop"),
+    "receiver-drops-a-cancel": ("drop-frame:rank=1:nth=3", "fail-stop"),
+    "writer-first-kv-result-5s-late": ("late-frame:rank=0:nth=1:ms=5000", "recovered"),
+    "receiver-gets-every-frame-3s-late": ("slow-control:rank=1:ms=3000", "fail-stop"),
 }
-CI_CASE = "writer-drops-its-first-kv-result"
+CI_CASES = ("writer-drops-its-first-kv-result", "receiver-drops-a-cancel")
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=() if c == CI_CASE else (pytest.mark.slow,)) for c in CASES]
+    "case", [pytest.param(c, marks=() if c in CI_CASES else (pytest.mark.slow,)) for c in CASES]
 )
-def test_a_lost_or_late_frame_ends_in_a_fail_stop_at_the_deadline(tmp_path, case):
+def test_a_lost_or_late_frame_ends_in_a_fail_stop_or_is_recovered_with_proof(tmp_path, case):
+    plan, ending = CASES[case]
     cell = run_cell(
         tmp_path,
         "gen-first",
         "none",
         "sender",
         "kill",
-        CRASH_WORLD_PLAN=CASES[case],
+        CRASH_WORLD_PLAN=plan,
         CRASH_WORLD_TIMEOUT_S=str(T_S),
     )
-    check_deadline_fail_stop(cell)
+    cell["out"] = tmp_path
+    if ending == "fail-stop" or (ending == "either" and cell["rc"] != 0):
+        check_deadline_fail_stop(cell)
+    else:
+        check_recovered_with_proof(cell, timed_out=ending == "recovered")
 
 
 @pytest.mark.multiproc
@@ -88,7 +119,7 @@ def test_a_send_that_raises_is_resent_and_the_world_ends_normally(tmp_path):
         "none",
         "sender",
         "kill",
-        CRASH_WORLD_PLAN="send-raise:rank=0:nth=3,send-raise-after:rank=1:nth=2",
+        CRASH_WORLD_PLAN="send-raise:rank=0:nth=1,send-raise-after:rank=1:nth=2",  # rank 0 sends 2-4 control frames
         CRASH_WORLD_TIMEOUT_S=str(T_S),
     )
     assert cell["rc"] == 0, cell["output"][-3000:]
@@ -103,8 +134,9 @@ def test_a_send_that_raises_is_resent_and_the_world_ends_normally(tmp_path):
 @pytest.mark.timeout(150)
 def test_planted_timer_free_is_caught(tmp_path):
     """Planted bug: the receiver's sessions stop waiting for writers once timed out (the timer every peer
-    system ships). With the writer's KV_RESULT lost, the world then retires without proof and never
-    fail-stops: the check above must fail."""
+    system ships). With a REQUEST_DATA lost, the stream to the writer has a hole, no proof can come,
+    and the session times out: the mutant retires it without proof and never fail-stops, so the
+    check above must fail."""
     cell = run_cell(
         tmp_path,
         "gen-first",
@@ -112,8 +144,29 @@ def test_planted_timer_free_is_caught(tmp_path):
         "sender",
         "kill",
         "timer-free",
-        CRASH_WORLD_PLAN=CASES[CI_CASE],
+        CRASH_WORLD_PLAN=CASES["receiver-drops-a-request-data"][0],
         CRASH_WORLD_TIMEOUT_S=str(T_S),
     )
     with pytest.raises(AssertionError):
         check_deadline_fail_stop(cell)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_planted_timer_free_is_caught_where_a_lost_result_is_recovered(tmp_path):
+    """The same planted timer, where kvown recovers a lost carried result by the writer's ack: the
+    mutant retires at the timeout, before that ack, and the recovery check must fail."""
+    cell = run_cell(
+        tmp_path,
+        "gen-first",
+        "none",
+        "sender",
+        "kill",
+        "timer-free",
+        CRASH_WORLD_PLAN=CASES["writer-drops-its-first-kv-result"][0],
+        CRASH_WORLD_TIMEOUT_S=str(T_S),
+    )
+    cell["out"] = tmp_path
+    with pytest.raises(AssertionError, match="retired without proof"):
+        check_recovered_with_proof(cell)

@@ -60,15 +60,16 @@ MUTANT_SEEDS = (1, 2, 3)
 NEVER = 10**9
 
 
-def sends_per_rank(seed: int) -> dict[int, int]:
-    """How many frames each rank hands to its transport in the fault-free run (an entry that never
-    fires still counts the calls it sees)."""
+def sends_per_rank(seed: int, fault: str) -> dict[int, int]:
+    """How many positions ``fault`` sees on each rank in the fault-free run (an entry that never fires
+    still counts the calls it sees): control frames, and for drop-frame and late-frame also the
+    notifications carried by WRITEs."""
     world = SimWorld(seed, SMALL)
     for rank in world.ranks.values():
-        rank.faulty.set_plan(f"drop-frame:nth={NEVER}")
+        rank.faulty.set_plan(f"{fault}:nth={NEVER}")
     counts = world.run()
     assert counts.get("fatal", 0) == 0 and counts["retired"] > 0, counts
-    return {r: rank.faulty.plan["drop-frame"].seen for r, rank in world.ranks.items()}
+    return {r: rank.faulty.plan[fault].seen for r, rank in world.ranks.items()}
 
 
 def run_with(seed: int, rank: int, plan: str) -> tuple[SimWorld, dict[str, int]]:
@@ -97,7 +98,7 @@ def test_one_lost_or_late_frame_at_every_position_ends_in_a_deadline_fail_stop_o
     by_kind: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     positions = 0
     for seed in seeds:
-        for rank, sent in sends_per_rank(seed).items():
+        for rank, sent in sends_per_rank(seed, fault).items():
             for nth in range(1, sent + 1):
                 world, counts = run_with(
                     seed, rank, f"{fault}:nth={nth}" + (":ms=1" if fault == "late-frame" else "")
@@ -128,7 +129,7 @@ def test_a_send_that_raises_at_any_position_is_resent_and_changes_nothing() -> N
     positions = 0
     for seed in SEEDS:
         baseline = SimWorld(seed, SMALL).run()
-        for rank, sent in sends_per_rank(seed).items():
+        for rank, sent in sends_per_rank(seed, "send-raise").items():
             for nth in range(1, sent + 1):
                 world, counts = run_with(seed, rank, f"send-raise:nth={nth}")
                 assert world.ranks[rank].faulty.counts["send-raise"] == 1
@@ -179,7 +180,7 @@ def test_planted_bug_a_receiver_that_frees_on_its_timeout_is_caught_by_a_late_fr
     )
     caught = positions = 0
     for seed in MUTANT_SEEDS:
-        for rank, sent in sends_per_rank(seed).items():
+        for rank, sent in sends_per_rank(seed, "late-frame").items():
             if rank not in SimWorld(seed, SMALL).receivers:
                 continue
             for nth in range(1, sent + 1):

@@ -145,13 +145,15 @@ def linkdown() -> None:
                 and time.monotonic_ns() >= timed_out_ns + 200_000_000
             ):
                 probed = True
-                try:  # more than is free: must be refused, never served from request L's blocks
-                    rt.receiver.receive(
-                        make_request_id(5, 2), stats["pool"]["free"] + 1, (2 % comm.Get_size(),)
-                    )
-                    entry["oversized_request"] = "served"
-                except PoolExhausted:
-                    entry["oversized_request"] = "refused"
+                free, total = stats["pool"]["free"], stats["pool"]["total"]
+                if free == total:  # request L's blocks already count as free: nothing can be oversized
+                    entry["oversized_request"] = "impossible: every block counts as free"
+                else:
+                    try:  # more than is free: must be refused, never served from request L's blocks
+                        rt.receiver.receive(make_request_id(5, 2), free + 1, (2 % comm.Get_size(),))
+                        entry["oversized_request"] = "served"
+                    except PoolExhausted:
+                        entry["oversized_request"] = "refused"
                 extra = rt.receiver.receive(
                     make_request_id(5, 3), stats["pool"]["free"], (2 % comm.Get_size(),)
                 )

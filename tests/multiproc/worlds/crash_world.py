@@ -28,8 +28,9 @@ exactly at the point while its main thread dies.
 Workload: 8 requests one after another, 3 blocks each from an 8-block pool (so blocks are reused), odd
 requests cancelled by the receiver right after publication. Canaries are on. Every rank blocks
 SIGTERM first and dumps its flight recorder when the launcher terminates it (OUT/term/), and its
-fail-stop executor dumps into OUT (KVOWN_FLIGHT_DIR). Every rank writes OUT/rank{R}.json with its pid
-at start and its counts at the end. Every wait is bounded.
+fail-stop executor dumps into OUT (KVOWN_FLIGHT_DIR); a world that ends normally leaves the
+receiver's recorder in OUT/end/. Every rank writes OUT/rank{R}.json with its pid at start and its
+counts at the end. Every wait is bounded.
 
 The lost-frame worlds (tests/multiproc/test_lost_frames_world.py) reuse this one with POINT "none":
 ``CRASH_WORLD_PLAN`` adds fault-plan entries (``drop-frame:rank=0:nth=3``) and ``CRASH_WORLD_TIMEOUT_S``
@@ -254,4 +255,7 @@ stats = rt.engine.statistics()
 write_json(
     f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats["pool"], engine=stats["counters"], **result
 )
+if rank == RX:  # a world that ends normally leaves the receiver's recorder too (proof check, lost frames)
+    (OUT_DIR / "end").mkdir(exist_ok=True)
+    rt.driver.recorder.dump(OUT_DIR / "end", "end", include_stacks=False)
 rt.exit(0)
