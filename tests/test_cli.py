@@ -78,9 +78,11 @@ def test_bench_without_a_name_runs_the_suite(tmp_path, capsys):
 def test_registry_takes_a_new_workload_in_one_line(monkeypatch, capsys):
     from kvown.apps import bench
 
-    monkeypatch.setitem(bench.REGISTRY, "soak", bench.Workload("kvown.apps.soak", None, "soak"))
-    assert bench.main(["soak", "--dry-run", "--seed", "3"]) == 0
-    assert capsys.readouterr().out.split()[-4:] == ["-m", "kvown.apps.soak", "--seed", "3"]
+    monkeypatch.setitem(bench.REGISTRY, "burn", bench.Workload("kvown.apps.burn", None, "burn"))
+    assert bench.main(["burn", "--dry-run", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.split()[-4:] == ["-m", "kvown.apps.burn", "--seed", "3"]
+    assert bench.main(["soak", "--dry-run", "--minutes", "1"]) == 0  # the documented soak is registered
+    assert capsys.readouterr().out.split()[-4:] == ["-m", "kvown.apps.soak", "--minutes", "1"]
 
 
 def test_checkout_only_workloads_say_so_without_a_checkout(monkeypatch, tmp_path, capsys):

@@ -67,6 +67,7 @@ REGISTRY: dict[str, Workload] = {
                      script="bench_link.py"),
     "serve": Workload("", None, "reference server: TTFT and tokens/s, disaggregated vs single process",
                       script="bench_serve.py"),
+    "soak": Workload("kvown.apps.soak", None, "soak: --minutes N of the demo workload with faults; leaks, RSS, fences"),
 }
 
 
