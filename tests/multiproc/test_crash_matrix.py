@@ -134,7 +134,7 @@ def test_without_a_crash_every_request_ends_and_every_point_is_reached(tmp_path,
         "write-done": 3,
         "kv-result-sent": 3,
         "cancel-sent": 2,
-        "quiesced-sent": 2,
+        "quiesced-sent": 1,  # as crash_world.NTH: some cancels are proven by a carried result instead
         "retire": 4,
     }
     for point, need in nth.items():

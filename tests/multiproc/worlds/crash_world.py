@@ -75,7 +75,7 @@ NTH = {
     "write-done": 3,
     "kv-result-sent": 3,
     "cancel-sent": 2,
-    "quiesced-sent": 2,
+    "quiesced-sent": 1,  # a cancel is proven by a carried result or a SESSION_QUIESCED, as timing decides
     "retire": 4,
 }
 OBSERVER = RX if POINT in RX_POINTS else 0
