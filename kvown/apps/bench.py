@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass

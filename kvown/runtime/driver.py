@@ -107,7 +107,7 @@ from kvown.core.events import (
     WriteSubmitted,
 )
 from kvown.core.machine import RankCore
-from kvown.core.messages import MAX_BATCH, Envelope, AuxResult, CancelSession, Frame, KvResult, Message, RequestData, Watermark
+from kvown.core.messages import MAX_BATCH, Envelope, AuxResult, CancelSession, KvResult, Message, RequestData, Watermark
 from kvown.core.receiver import ReceiverCore
 from kvown.core.sender import SenderCore
 from kvown.core.streams import InboundStreams, OutboundStreams

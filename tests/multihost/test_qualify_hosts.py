@@ -17,8 +17,9 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-from hostkit import ROOT, pid_alive
+from hostkit import ROOT
 
+from kvown.adapters.mpi import process_alive
 from kvown.testing.hosts import unavailable_reason
 
 pytestmark = pytest.mark.multiproc
@@ -185,5 +186,5 @@ def test_an_interrupted_qualification_tears_its_hosts_and_world_down(make_hosts,
         subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
     )
     assert not (mine & left)
-    alive = [pid for pid, ticks in tree.items() if pid_alive(pid, ticks)]
+    alive = [pid for pid, ticks in tree.items() if process_alive(pid, ticks)]
     assert not alive, f"processes of the qualification left running: {alive}"

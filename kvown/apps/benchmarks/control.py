@@ -23,7 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any

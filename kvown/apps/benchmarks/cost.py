@@ -44,7 +44,7 @@ from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvown.apps.benchmarks.common import KIB, environment, pct, progress, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import KIB, environment, progress, write_json  # noqa: E402
 
 MAX_ROUNDS = 2_000_000  # bound on step rounds of one measurement
 

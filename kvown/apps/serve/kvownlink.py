@@ -165,7 +165,7 @@ class KvownLink:
     def send(self, request_id: int, blocks: Sequence[int], aux: bytes = b"") -> SendHandle:
         """Lend source blocks; they come back once no WRITE can read them (rule 1)."""
         handle = SendHandle(request_id, tuple(blocks), aux, time.monotonic() + self._publish_timeout_s)
-        kv = self.rt.sender.send(request_id, tuple(blocks), aux=aux, on_done=lambda k, h=handle: self._sent(h, k))
+        self.rt.sender.send(request_id, tuple(blocks), aux=aux, on_done=lambda k, h=handle: self._sent(h, k))
         with self._lock:
             self._sends[request_id] = handle
             heapq.heappush(self._expiry, (handle.deadline_s, request_id))
