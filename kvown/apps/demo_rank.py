@@ -146,8 +146,9 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     pending = list(reversed(mine))
     go: dict[int, int] = {}
     open_: dict[int, tuple[Planned, object, float]] = {}
-    out = {"role": "receiver", "completed": 0, "cancelled": 0, "aborted": 0, "failed": 0, "bytes": 0, "corrupted_blocks": 0,
-           "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [], "canary_broken": 0}
+    out = {"role": "receiver", "completed": 0, "cancelled": 0, "aborted": 0, "failed": 0, "bytes": 0,
+           "corrupted_blocks": 0, "verified_blocks": 0, "retire_cancel_us": [], "retire_release_us": [],
+           "canary_broken": 0}
     block_nbytes = pool.layout.block_nbytes
     content = KVContent(pool, max_blocks=args.max_blocks)
     last_progress = 0.0
