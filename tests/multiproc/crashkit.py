@@ -76,7 +76,8 @@ def run_cell(
     if gone_ns is None and crash is not None and pids and not any(process_alive(*p) for p in pids.values()):
         gone_ns = time.monotonic_ns()  # the launcher exited first: an upper bound
     flights = {}
-    for path in [p for where in ("", "term/", "end/") for p in tmp_path.glob(f"{where}kvown-flight-rank*.jsonl")]:
+    dumps = [p for where in ("", "term/", "end/") for p in tmp_path.glob(f"{where}kvown-flight-rank*.jsonl")]
+    for path in dumps:
         records = read_flight_file(path)
         if records:
             flights.setdefault(records[0]["rank"], []).append(records)
@@ -91,6 +92,7 @@ def run_cell(
         "flights": flights,
         "victim": 0 if role == "sender" else ranks - 1,
         "receiver": ranks - 1,
+        "out": tmp_path,
     }
 
 

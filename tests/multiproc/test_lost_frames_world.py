@@ -58,6 +58,12 @@ def check_deadline_fail_stop(cell: dict) -> None:
     assert not any(e["kind"] == "retire" and e["request_id"] == rid for e in events)
 
 
+def lost_frame_cell(tmp_path, plan: str, mutant: str = "") -> dict:
+    """One generation-first crash world with no crash point, ``plan`` injected, timeout and grace T_S."""
+    return run_cell(tmp_path, "gen-first", "none", "sender", "kill", mutant,
+                    CRASH_WORLD_PLAN=plan, CRASH_WORLD_TIMEOUT_S=str(T_S))
+
+
 def check_recovered_with_proof(cell: dict, *, timed_out: bool = True) -> None:
     out = cell["output"][-2500:]
     assert cell["rc"] == 0, f"exit {cell['rc']}, want 0 (recovered)\n{out}"
@@ -94,16 +100,7 @@ CI_CASES = ("writer-drops-its-first-kv-result", "receiver-drops-a-cancel")
 )
 def test_a_lost_or_late_frame_ends_in_a_fail_stop_or_is_recovered_with_proof(tmp_path, case):
     plan, ending = CASES[case]
-    cell = run_cell(
-        tmp_path,
-        "gen-first",
-        "none",
-        "sender",
-        "kill",
-        CRASH_WORLD_PLAN=plan,
-        CRASH_WORLD_TIMEOUT_S=str(T_S),
-    )
-    cell["out"] = tmp_path
+    cell = lost_frame_cell(tmp_path, plan)
     if ending == "fail-stop" or (ending == "either" and cell["rc"] != 0):
         check_deadline_fail_stop(cell)
     else:
@@ -113,15 +110,8 @@ def test_a_lost_or_late_frame_ends_in_a_fail_stop_or_is_recovered_with_proof(tmp
 @pytest.mark.multiproc
 @pytest.mark.timeout(150)
 def test_a_send_that_raises_is_resent_and_the_world_ends_normally(tmp_path):
-    cell = run_cell(
-        tmp_path,
-        "gen-first",
-        "none",
-        "sender",
-        "kill",
-        CRASH_WORLD_PLAN="send-raise:rank=0:nth=1,send-raise-after:rank=1:nth=2",  # rank 0 sends 2-4 control frames
-        CRASH_WORLD_TIMEOUT_S=str(T_S),
-    )
+    # rank 0 sends only 2-4 control frames (results ride on WRITEs), so its raise is its first
+    cell = lost_frame_cell(tmp_path, "send-raise:rank=0:nth=1,send-raise-after:rank=1:nth=2")
     assert cell["rc"] == 0, cell["output"][-3000:]
     ends = {r: json.loads((tmp_path / f"rank{r}.end.json").read_text()) for r in range(2)}
     assert ends[1]["outcomes"] == ["completed", "cancelled"] * 4
@@ -137,16 +127,7 @@ def test_planted_timer_free_is_caught(tmp_path):
     system ships). With a REQUEST_DATA lost, the stream to the writer has a hole, no proof can come,
     and the session times out: the mutant retires it without proof and never fail-stops, so the
     check above must fail."""
-    cell = run_cell(
-        tmp_path,
-        "gen-first",
-        "none",
-        "sender",
-        "kill",
-        "timer-free",
-        CRASH_WORLD_PLAN=CASES["receiver-drops-a-request-data"][0],
-        CRASH_WORLD_TIMEOUT_S=str(T_S),
-    )
+    cell = lost_frame_cell(tmp_path, CASES["receiver-drops-a-request-data"][0], "timer-free")
     with pytest.raises(AssertionError):
         check_deadline_fail_stop(cell)
 
@@ -157,16 +138,6 @@ def test_planted_timer_free_is_caught(tmp_path):
 def test_planted_timer_free_is_caught_where_a_lost_result_is_recovered(tmp_path):
     """The same planted timer, where kvown recovers a lost carried result by the writer's ack: the
     mutant retires at the timeout, before that ack, and the recovery check must fail."""
-    cell = run_cell(
-        tmp_path,
-        "gen-first",
-        "none",
-        "sender",
-        "kill",
-        "timer-free",
-        CRASH_WORLD_PLAN=CASES["writer-drops-its-first-kv-result"][0],
-        CRASH_WORLD_TIMEOUT_S=str(T_S),
-    )
-    cell["out"] = tmp_path
+    cell = lost_frame_cell(tmp_path, CASES["writer-drops-its-first-kv-result"][0], "timer-free")
     with pytest.raises(AssertionError, match="retired without proof"):
         check_recovered_with_proof(cell)
