@@ -77,33 +77,33 @@ def test_servers_keep_serving_after_bad_requests_and_leak_nothing(url, single_st
 
 
 def test_official_client_completion_and_stream_agree(url):
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
-    whole = client.completions.create(
-        model="kvown-tiny", prompt="The quick brown fox", max_tokens=24, temperature=0
-    )
-    assert whole.choices[0].finish_reason == "length"
-    assert whole.usage.prompt_tokens == 19 and whole.usage.completion_tokens == 24
-    pieces, finish, usage = [], None, None
-    for event in client.completions.create(
-        model="kvown-tiny",
-        prompt="The quick brown fox",
-        max_tokens=24,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    ):
-        if event.choices:
-            pieces.append(event.choices[0].text)
-            finish = event.choices[0].finish_reason or finish
-        if event.usage is not None:
-            usage = event.usage
-    assert "".join(pieces) == whole.choices[0].text and len(whole.choices[0].text) == 24
-    assert finish == "length" and usage.completion_tokens == 24
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="kvown-tiny", prompt="hi", max_tokens=0)
-    assert caught.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="other-model", prompt="hi", max_tokens=2)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        whole = client.completions.create(
+            model="kvown-tiny", prompt="The quick brown fox", max_tokens=24, temperature=0
+        )
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage.prompt_tokens == 19 and whole.usage.completion_tokens == 24
+        pieces, finish, usage = [], None, None
+        for event in client.completions.create(
+            model="kvown-tiny",
+            prompt="The quick brown fox",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            if event.choices:
+                pieces.append(event.choices[0].text)
+                finish = event.choices[0].finish_reason or finish
+            if event.usage is not None:
+                usage = event.usage
+        assert "".join(pieces) == whole.choices[0].text and len(whole.choices[0].text) == 24
+        assert finish == "length" and usage.completion_tokens == 24
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="kvown-tiny", prompt="hi", max_tokens=0)
+        assert caught.value.body["param"] == "max_tokens"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other-model", prompt="hi", max_tokens=2)
 
 
 def test_stop_strings_cut_the_text_the_same_way_streamed_or_not(url):

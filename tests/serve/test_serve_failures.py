@@ -49,22 +49,22 @@ def test_killing_the_prefill_mid_stream_gives_errors_not_hangs(tmp_path, link):
 
         def client(i: int) -> None:
             rng = random.Random(i)
-            c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=20)
-            while time.monotonic() < stop_at[0]:
-                prompt = rng.choice(prompts)
-                text = ""
-                try:
-                    for event in c.completions.create(
-                        model="kvown-tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True
-                    ):
-                        text += event.choices[0].text if event.choices else ""
-                    result = "ok" if text == expected[prompt] else "mismatch"
-                except openai.APITimeoutError:
-                    result = "hang"
-                except (openai.APIStatusError, openai.APIError, openai.APIConnectionError):
-                    result = "error"
-                with lock:
-                    outcomes.append(result)
+            with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=20) as c:
+                while time.monotonic() < stop_at[0]:
+                    prompt = rng.choice(prompts)
+                    text = ""
+                    try:
+                        for event in c.completions.create(
+                            model="kvown-tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True
+                        ):
+                            text += event.choices[0].text if event.choices else ""
+                        result = "ok" if text == expected[prompt] else "mismatch"
+                    except openai.APITimeoutError:
+                        result = "hang"
+                    except (openai.APIStatusError, openai.APIError, openai.APIConnectionError):
+                        result = "error"
+                    with lock:
+                        outcomes.append(result)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
@@ -143,7 +143,9 @@ def _decode_fail_stops_at_the_deadline_holding_the_blocks(stack, tmp_path) -> No
         time.sleep(0.1)
     assert not decode.alive(), "the decode server should have fail-stopped at the deadline"
     assert decode.proc.returncode == -9  # its own SIGKILL: no MPI world to abort
-    flights = list(Path(stack.log_dir).glob("kvown-flight-rank1-*.jsonl"))  # LocalStack: dumps beside the logs
+    flights = list(
+        Path(stack.log_dir).glob("kvown-flight-rank1-*.jsonl")
+    )  # LocalStack: dumps beside the logs
     assert flights, "the decode rank left no flight recorder"
     header = json.loads(flights[0].read_text().splitlines()[0])
     assert header["reason"] in ("deadline", "control_lost"), header
