@@ -42,7 +42,7 @@ test: $(STAMP) etcd
 	$(VENV)/bin/python -m pytest -m "not slow or soak"
 
 test-slow: $(STAMP) etcd
-	$(VENV)/bin/python -m pytest -m slow
+	$(VENV)/bin/python -m pytest -m slow -o faulthandler_timeout=3600
 
 demo: $(STAMP)
 	$(VENV)/bin/kvown demo
