@@ -15,6 +15,9 @@ Rules:
      formats the copy.
   3. The dump is written in order header, events (oldest first), stacks, so a dump cut short by the
      kill still starts with the reason.
+  4. Stacks are read through ``current_frames``, never ``sys._current_frames`` directly: on CPython
+     3.11 a garbage collection that starts inside that call can deadlock the whole process with the
+     GIL held (see ``current_frames``), and a dump runs on the fatal path.
 
 Invariants:
   INV-FR1  The ring never holds more than ``capacity`` events; ``dropped`` counts what fell out.
@@ -31,6 +34,7 @@ File format (one JSON object per line):
 from __future__ import annotations
 
 import enum
+import gc
 import itertools
 import json
 import os
@@ -39,6 +43,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable
 
 from kvown.core.actions import FatalReason
@@ -56,6 +61,30 @@ def default_flight_dir() -> Path:
     return Path(os.environ.get(FLIGHT_DIR_ENV) or os.getcwd())
 
 
+_FRAMES_LOCK = threading.Lock()  # serialises the GC pause below between reporting threads
+
+
+def current_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the cyclic garbage collector paused.
+
+    Why: on CPython 3.11 that call allocates frame objects while holding the runtime's thread-list
+    lock; an allocation can start a collection, and a collected ``threading.local`` takes the same lock
+    to clean up: the calling thread deadlocks on itself with the GIL held, so every thread of the
+    process stops, the kill path included (cpython gh-106883; 3.12 fixed it). Two fail-stop
+    executors dumping at once in one process hung that way in a test run. The lock keeps one
+    reporter from re-enabling the collector while another is inside the call.
+    Called: by ``thread_stacks``, any thread. After error: the collector is restored as it was.
+    """
+    with _FRAMES_LOCK:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return sys._current_frames()
+        finally:
+            if was_enabled:
+                gc.enable()
+
+
 def thread_stacks() -> list[dict[str, Any]]:
     """Every live thread's Python stack, innermost frame last.
 
@@ -64,7 +93,7 @@ def thread_stacks() -> list[dict[str, Any]]:
     """
     threads = {t.ident: t for t in threading.enumerate()}
     stacks = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in current_frames().items():
         thread = threads.get(ident)
         frames = [f"{fs.filename}:{fs.lineno} in {fs.name}" for fs in traceback.extract_stack(frame)]
         stacks.append(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -73,6 +75,51 @@ def test_dump_to_dir_names_rank_pid_reason_request_and_stacks(tmp_path) -> None:
     names = {s["thread_name"] for s in stacks}
     assert threading.current_thread().name in names
     assert any("test_dump_to_dir" in f for s in stacks for f in s["frames"])
+
+
+# A process primed so that the next tracked allocation starts a garbage collection, with cyclic garbage
+# holding a ``threading.local`` (its cleanup takes the runtime's thread-list lock) and threads whose
+# frames have no frame object yet (reading them allocates one while that lock is held).
+PRIMED_FOR_A_COLLECTION = r"""
+import gc, sys, threading, time
+from kvown.runtime.flight import current_frames
+read = current_frames if sys.argv[1] == "guarded" else sys._current_frames
+target = int(sys.argv[2])
+gc.disable()
+stop = threading.Event()
+for _ in range(3):
+    threading.Thread(target=stop.wait, daemon=True).start()
+time.sleep(0.1)
+gc.set_threshold(100, 10, 10)
+gc.collect()
+cycle = []; cycle.append(cycle); cycle.append(threading.local()); del cycle
+keep = []
+gc.enable()
+while gc.get_count()[0] < target:
+    keep.append([])
+sys.stdout.write(f"{len(read())} threads\n")
+"""
+
+
+def _read_frames_primed(mode: str, count: int) -> str:
+    try:
+        r = subprocess.run([sys.executable, "-c", PRIMED_FOR_A_COLLECTION, mode, str(count)],
+                           capture_output=True, text=True, timeout=5)
+    except subprocess.TimeoutExpired:
+        return "hung"
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_reading_every_stack_never_deadlocks_in_a_garbage_collection() -> None:
+    """cpython gh-106883: on 3.11 a collection inside ``sys._current_frames`` deadlocks with the GIL held,
+    which once froze a test process with two fail-stop dumps under way. ``current_frames`` pauses the
+    collector; the bare call, primed the same way, is the mutant and must hang."""
+    counts = range(94, 101)  # the collection starts inside the read for some of these
+    assert all(_read_frames_primed("guarded", n) == "4 threads" for n in counts)
+    if sys.version_info < (3, 12):
+        assert any(_read_frames_primed("bare", n) == "hung" for n in counts)
 
 
 @pytest.mark.timeout(10)
