@@ -25,7 +25,9 @@ layout = KVLayout.standard(num_layers=1, num_blocks=16, tokens_per_block=4, num_
 fault = "stuck-writer:nth=1" if scenario == "writer-dies" and role == "writer" else None
 rt = connect_registry(endpoint, job=job, rank=rank, layout=layout, ttl_s=2, wait_for=(1 - rank,), timeout_s=30,
                       roles={"sender"} if rank == 0 else {"receiver"},
-                      config=TransferConfig(transfer_timeout_s=3.0, grace_s=1.0, fault=fault))
+                      # the CANCEL to the dead writer fails too; retrying it longer than the grace lets the
+                      # deadline, not the lost control stream, be what fail-stops (both would be safe)
+                      config=TransferConfig(transfer_timeout_s=3.0, grace_s=1.0, control_retry_s=10.0, fault=fault))
 pool = rt.engine.pool
 report = {"rank": rank, "pid": os.getpid(), "ok": []}
 for i in range(3 if scenario == "transfer" else 1):
