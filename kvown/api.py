@@ -155,7 +155,7 @@ class Sender:
 
     def cancel(self, request_id: int) -> None:
         """Abort on the prefill side: fence the id, refuse unposted writes, let posted ones drain."""
-        self._engine.submit(Cancel(Role.SENDER, _check_rid(request_id)))
+        self._engine.submit(Cancel(Role.SENDER, _check_rid(request_id), self._engine.clock()))
 
 
 class Receiver:
@@ -272,7 +272,7 @@ class Receiver:
         entry = self._engine.live.live(Role.RECEIVER, _check_rid(request_id))
         if isinstance(entry, ReceiveHandle):
             entry.closing = True
-        self._engine.submit(Cancel(Role.RECEIVER, request_id))
+        self._engine.submit(Cancel(Role.RECEIVER, request_id, self._engine.clock()))
 
     def release(self, request_id: int) -> None:
         """The consumer is done with delivered blocks; kvown retires them with proof.
@@ -285,7 +285,7 @@ class Receiver:
             raise LocalProtocolError("release before the KV landed; cancel instead", field="request_id",
                                      request_id=request_id)
         handle.closing = True
-        self._engine.submit(Release(request_id))
+        self._engine.submit(Release(request_id, self._engine.clock()))
 
     def local_copy(self, request_id: int, ready: Any) -> None:
         """Declare a local copy into the destination (e.g. a scatter kernel) as pending evidence.

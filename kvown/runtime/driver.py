@@ -365,18 +365,18 @@ class Driver:
                     self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
                     return
                 self._open_receive(command, now)
-            case Cancel(role=role, request_id=rid):
+            case Cancel(role=role, request_id=rid, issued_ns=issued_ns):
                 core = self.sender if role is Role.SENDER else self.receiver
                 handle = self._recvs.get(rid) if role is Role.RECEIVER else None
                 if handle is not None and not handle.cancelled_ns:
-                    handle.cancelled_ns = now
+                    handle.cancelled_ns = issued_ns or now
                 self.recorder.note(EV_CANCEL, rid, role.value)
                 if core is not None:
                     self._events.append((core, CancelRequested(rid)))
-            case Release(request_id=rid):
+            case Release(request_id=rid, issued_ns=issued_ns):
                 handle = self._recvs.get(rid)
                 if handle is not None:
-                    handle.released_ns = now
+                    handle.released_ns = issued_ns or now
                 if self.receiver is not None:
                     self._events.append((self.receiver, ReleaseRequested(rid)))
             case LocalCopy(request_id=rid, token=token):

@@ -255,3 +255,24 @@ def test_a_write_that_never_completes_holds_back_no_other_session() -> None:
     assert h2.retired.is_set() and s2.released.is_set()
     assert not h1.landed.is_set() and not h1.retired.is_set()  # no report, no retirement: still claimed
     assert p.drivers[TX].statistics()["writes_in_flight"] == 1 and not p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_release_and_cancel_times_count_from_the_callers_call_not_the_engine_step() -> None:
+    """Users read release -> retired and cancel -> retired off the handle: both start when the caller
+    asked, so a busy engine's queueing delay is part of the figure (it was once reported as 0 us)."""
+    p = Pair()
+    rid, handle, _ = p.transfer(7)
+    asked_ns = p.now
+    p.rx.release(rid)
+    p.now += 500  # the engine gets to the command later
+    p.run(handle.retired.is_set)
+    assert handle.released_ns == asked_ns and handle.retired_ns - handle.released_ns >= 500
+    rid = make_request_id(1, 8)
+    ticket = p.rx.submit_receive(rid, 1, (TX,))
+    p.run(ticket.future.done, steps=5)
+    asked_ns = p.now
+    p.rx.cancel(rid)
+    p.now += 300
+    p.run(ticket.future.result(0).retired.is_set)
+    assert ticket.future.result(0).cancelled_ns == asked_ns
