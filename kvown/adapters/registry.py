@@ -433,8 +433,11 @@ class LeasedKey:
     """Publish ``value`` under ``key`` with a leased TTL, renewed by a named thread.
 
     Called: ``start`` once after the owner can serve; ``close`` once at exit (revokes: watchers see it
-    gone at once). ``on_lost`` runs on the keep-alive thread if the lease expired anyway (etcd
-    unreachable for a whole TTL); the owner is then invisible and should re-register or exit.
+    gone at once). If the lease expired anyway (etcd unreachable, or this process starved, for a whole
+    TTL), the owner is invisible: ``on_lost`` runs on the keep-alive thread and ``lost`` counts it; with
+    ``rejoin`` the thread then grants a new lease and publishes the value again (retried every period
+    until it succeeds), otherwise it stops renewing. Rejoin suits a server that a router should find
+    again; a rank whose peers must treat an expiry as final leaves it off.
     After error: ``start`` raises ``AdapterError`` when etcd is unreachable; nothing is left behind.
     """
 
@@ -446,37 +449,50 @@ class LeasedKey:
         *,
         ttl_s: int = 5,
         on_lost: Callable[[], None] | None = None,
+        rejoin: bool = False,
     ) -> None:
         if len(value) > MAX_VALUE_NBYTES:
             raise ConfigError("value too large for the registry", field="value", nbytes=len(value))
         self.key = _check_key(key)
         self._endpoint, self._value, self._ttl_s, self._on_lost = endpoint, value, ttl_s, on_lost
+        self._rejoin = rejoin
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lease_id = 0
+        self.lease_id = 0  # 0 while no lease holds the key (before start, after a loss, after close)
+        self.lost = 0
 
     def start(self) -> LeasedKey:
         with EtcdClient(self._endpoint) as client:
-            self.lease_id = client.grant_lease(self._ttl_s)
-            client.put(self.key, self._value, lease_id=self.lease_id)
+            self._publish(client)
         self._thread = threading.Thread(
             target=self._keep_alive, name=f"etcd-lease-{self.key.rsplit('/', 1)[-1]}", daemon=True
         )
         self._thread.start()
         return self
 
+    def _publish(self, client: EtcdClient) -> None:
+        lease_id = client.grant_lease(self._ttl_s)
+        client.put(self.key, self._value, lease_id=lease_id)  # a raise leaves the new lease to its TTL
+        self.lease_id = lease_id
+
     def _keep_alive(self) -> None:
         period_s = max(self._ttl_s / 3.0, 0.2)
         with EtcdClient(self._endpoint, timeout_s=period_s) as client:
             while not self._stop.wait(period_s):
                 try:
+                    if not self.lease_id:
+                        self._publish(client)  # rejoining after a loss
+                        continue
                     ttl_left = client.keep_alive_once(self.lease_id)
                 except (AdapterError, PeerProtocolError):
                     continue  # retry next period; the TTL covers two missed renewals
                 if ttl_left <= 0:
+                    self.lease_id = 0
+                    self.lost += 1
                     if self._on_lost is not None:
                         self._on_lost()
-                    return
+                    if not self._rejoin:
+                        return
 
     def close(self) -> None:
         self._stop.set()
@@ -495,8 +511,8 @@ class Registration(LeasedKey):
     """One rank's ``RankInfo`` under ``prefix + name``, leased (see ``LeasedKey``)."""
 
     def __init__(self, endpoint: str, prefix: str, info: RankInfo, *, ttl_s: int = 5,
-                 on_lost: Callable[[], None] | None = None) -> None:
-        super().__init__(endpoint, prefix + info.name, info.encode(), ttl_s=ttl_s, on_lost=on_lost)
+                 on_lost: Callable[[], None] | None = None, rejoin: bool = False) -> None:
+        super().__init__(endpoint, prefix + info.name, info.encode(), ttl_s=ttl_s, on_lost=on_lost, rejoin=rejoin)
 
 
 def parse_rank_info(name: str, raw: bytes) -> RankInfo:

@@ -226,6 +226,31 @@ def test_registration_on_lost_fires_when_the_lease_is_revoked_behind_its_back(et
         r.close()
 
 
+@pytest.mark.parametrize("rejoin", [True, False], ids=["rejoin", "mutant-no-rejoin"])
+def test_a_rejoining_registration_comes_back_after_its_lease_is_lost(etcd, rejoin):
+    """A server starved past its TTL must be found again; without ``rejoin`` (the mutant) it stays gone."""
+    lost = threading.Event()
+    r = Registration(etcd, "/t7/", _info("r"), ttl_s=1, on_lost=lost.set, rejoin=rejoin).start()
+    try:
+        first = r.lease_id
+        with EtcdClient(etcd) as c:
+            c.revoke_lease(first)
+            assert c.get("/t7/r") is None  # the key went with the lease: invisible
+            assert lost.wait(5) and r.lost == 1
+            deadline = time.monotonic() + 3
+            while c.get("/t7/r") is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            back = c.get("/t7/r")
+        if rejoin:
+            assert back is not None and r.lease_id not in (0, first)
+        else:
+            assert back is None and r.lease_id == 0
+    finally:
+        r.close()
+    with EtcdClient(etcd) as c:
+        assert c.get("/t7/r") is None  # close revoked the new lease
+
+
 def test_etcd_process_stops_and_cleans_up():
     if find_etcd() is None:
         pytest.skip(f"no etcd binary: {INSTALL_HINT}")

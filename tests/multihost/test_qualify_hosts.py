@@ -20,7 +20,7 @@ import pytest
 from hostkit import ROOT
 
 from kvown.adapters.mpi import process_alive
-from kvown.testing.hosts import unavailable_reason
+from kvown.testing.hosts import STATE_DIR, unavailable_reason
 
 pytestmark = pytest.mark.multiproc
 EXPECTED_SCENARIOS = {
@@ -148,13 +148,23 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
+def namespaces_owned_by(pid: int) -> set[str]:
+    """The test hosts of the runs whose owner is ``pid``, from the machine-wide run records."""
+    owned = set()
+    for record in STATE_DIR.glob("*.json"):
+        try:
+            state = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue  # a run that ended meanwhile
+        if state.get("owner_pid") == pid:
+            owned |= set(state.get("namespaces", []))
+    return owned
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_qualification_tears_its_hosts_and_world_down(make_hosts, sig):
     make_hosts  # noqa: B018 - only for its skip where namespaces cannot be made
-    before = set(
-        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
-    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvown", "qualify", "--test-hosts", "2"],
         cwd=ROOT,
@@ -165,13 +175,7 @@ def test_an_interrupted_qualification_tears_its_hosts_and_world_down(make_hosts,
     try:
         assert proc.stdout.readline().startswith("kvown qualify:")  # hosts built, the world is starting
         time.sleep(3)
-        mine = {
-            n
-            for n in subprocess.run(
-                ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
-            ).stdout.split()
-            if n.startswith("kvown-")
-        } - before
+        mine = namespaces_owned_by(proc.pid)  # not other runs' hosts: another suite may share the machine
         assert mine, "the qualification made no test hosts"
         tree = descendants(proc.pid)  # mpirun, launch agents, PRRTE daemons, ranks
         assert len(tree) >= 3

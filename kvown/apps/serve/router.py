@@ -116,6 +116,7 @@ class Router:
                 name=self.config.name, role="router", pid=os.getpid(), started_ns=self.started_ns, http=http
             ),
             ttl_s=self.config.lease_ttl_s,
+            rejoin=True,
         ).start()
 
     def close(self) -> None:

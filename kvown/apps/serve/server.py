@@ -246,8 +246,8 @@ class Server:
         prefix = cluster_prefix(self.config.cluster)
         if self.config.role == "decode":
             self.directory = PrefixWatcher(self.config.etcd, prefix, on_delete=self._on_peer_deleted).start()
-        self.registration = Registration(
-            self.config.etcd, prefix, self.info(http), ttl_s=self.config.lease_ttl_s
+        self.registration = Registration(  # rejoin: a server starved past its TTL comes back to the router
+            self.config.etcd, prefix, self.info(http), ttl_s=self.config.lease_ttl_s, rejoin=True
         ).start()
 
     def close(self) -> None:
