@@ -196,4 +196,7 @@ def test_a_dead_host_takes_the_world_down_within_the_crash_grace(make_hosts, tmp
         world.stop()
     assert gone_ns is not None, f"still alive: {world.alive()}\n{world.stderr[-3000:]}"
     assert gone_ns - killed_ns < (grace_s + 1) * S, (gone_ns - killed_ns) / 1e6
-    assert rc != 0
+    # Reported as a failure: kvown's crash guard aborts (137), or the launcher noticed the dead host's
+    # daemon first and tore the job down itself; PRRTE 3.0 then says so on stderr but sometimes exits 0
+    # (2 runs in about 10 fresh-clone suites).
+    assert rc != 0 or "lost communication with a remote daemon" in world.stderr, (rc, world.stderr[-3000:])
