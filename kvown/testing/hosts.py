@@ -188,6 +188,20 @@ def _teardown(run_id: str, namespaces: Iterable[str], links: Iterable[str], run_
         pass
 
 
+def run_states() -> dict[str, dict]:
+    """Every run recorded on this machine: run id -> its state (``{}`` if the record cannot be read).
+
+    Called: by ``sweep_stale`` under the lock, and by tests that need one owner's runs, without it.
+    """
+    states: dict[str, dict] = {}
+    for path in STATE_DIR.glob("*.json") if STATE_DIR.is_dir() else ():
+        try:
+            states[path.stem] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            states[path.stem] = {}
+    return states
+
+
 def sweep_stale() -> list[str]:
     """Tear down runs whose owner is dead, and kvown resources that no live run claims. Returns run ids.
 
@@ -196,16 +210,11 @@ def sweep_stale() -> list[str]:
     """
     live: set[str] = set()
     stale: dict[str, dict] = {}
-    if STATE_DIR.is_dir():
-        for path in STATE_DIR.glob("*.json"):
-            try:
-                state = json.loads(path.read_text())
-            except (OSError, ValueError):
-                state = {}
-            if _owner_alive(state):
-                live.add(path.stem)
-            else:
-                stale[path.stem] = state
+    for run_id, state in run_states().items():
+        if _owner_alive(state):
+            live.add(run_id)
+        else:
+            stale[run_id] = state
     namespaces = [ns for ns in _netns_names() if _NS_RE.match(ns)]
     links = [link for link in _link_names() if _LINK_RE.match(link)]
     for ns in namespaces:

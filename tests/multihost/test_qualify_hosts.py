@@ -20,7 +20,7 @@ import pytest
 from hostkit import ROOT
 
 from kvown.adapters.mpi import process_alive
-from kvown.testing.hosts import STATE_DIR, unavailable_reason
+from kvown.testing.hosts import run_states, unavailable_reason
 
 pytestmark = pytest.mark.multiproc
 EXPECTED_SCENARIOS = {
@@ -150,15 +150,8 @@ def descendants(root: int) -> dict[int, int]:
 
 def namespaces_owned_by(pid: int) -> set[str]:
     """The test hosts of the runs whose owner is ``pid``, from the machine-wide run records."""
-    owned = set()
-    for record in STATE_DIR.glob("*.json"):
-        try:
-            state = json.loads(record.read_text())
-        except (OSError, ValueError):
-            continue  # a run that ended meanwhile
-        if state.get("owner_pid") == pid:
-            owned |= set(state.get("namespaces", []))
-    return owned
+    return {ns for state in run_states().values() if state.get("owner_pid") == pid
+            for ns in state.get("namespaces", [])}
 
 
 @pytest.mark.timeout(200)
