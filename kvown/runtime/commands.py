@@ -204,13 +204,13 @@ class Receive(Command):
 class Cancel(Command):
     role: Role
     request_id: int
-    issued_ns: int = 0  # the engine clock when the caller asked (0: not known; the step's time stands)
+    issued_ns: int  # the engine clock when the caller asked: cancel -> retired counts from here
 
 
 @dataclass(frozen=True, slots=True)
 class Release(Command):
     request_id: int
-    issued_ns: int = 0  # as for ``Cancel``: so release -> retired counts from the caller's call
+    issued_ns: int  # as for ``Cancel``: release -> retired counts from the caller's call
 
 
 @dataclass(frozen=True, slots=True)

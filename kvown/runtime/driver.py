@@ -369,14 +369,14 @@ class Driver:
                 core = self.sender if role is Role.SENDER else self.receiver
                 handle = self._recvs.get(rid) if role is Role.RECEIVER else None
                 if handle is not None and not handle.cancelled_ns:
-                    handle.cancelled_ns = issued_ns or now
+                    handle.cancelled_ns = issued_ns
                 self.recorder.note(EV_CANCEL, rid, role.value)
                 if core is not None:
                     self._events.append((core, CancelRequested(rid)))
             case Release(request_id=rid, issued_ns=issued_ns):
                 handle = self._recvs.get(rid)
                 if handle is not None:
-                    handle.released_ns = issued_ns or now
+                    handle.released_ns = issued_ns
                 if self.receiver is not None:
                     self._events.append((self.receiver, ReleaseRequested(rid)))
             case LocalCopy(request_id=rid, token=token):
