@@ -143,9 +143,8 @@ def _decode_fail_stops_at_the_deadline_holding_the_blocks(stack, tmp_path) -> No
         time.sleep(0.1)
     assert not decode.alive(), "the decode server should have fail-stopped at the deadline"
     assert decode.proc.returncode == -9  # its own SIGKILL: no MPI world to abort
-    flights = list(
-        Path(stack.log_dir).glob("kvown-flight-rank1-*.jsonl")
-    )  # LocalStack: dumps beside the logs
+    # LocalStack: dumps beside the logs
+    flights = list(Path(stack.log_dir).glob("kvown-flight-rank1-*.jsonl"))
     assert flights, "the decode rank left no flight recorder"
     header = json.loads(flights[0].read_text().splitlines()[0])
     assert header["reason"] in ("deadline", "control_lost"), header
