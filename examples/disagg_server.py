@@ -37,7 +37,7 @@ hang = rt.hang_detector(timeout_s=30.0)
 
 
 def prefill_loop(g) -> None:
-    tracker, pool = WriteTracker("cpu"), rt.engine.pool
+    tracker, pool = WriteTracker("cpu"), rt.pool
     for i in range(REQUESTS):
         hang.heartbeat()
         rid = make_request_id(1, i)
@@ -52,7 +52,7 @@ def prefill_loop(g) -> None:
 
 
 def decode_loop(g) -> None:
-    pool, served, cancelled = rt.engine.pool, 0, 0
+    pool, served, cancelled = rt.pool, 0, 0
     expected = torch.empty(layout.block_nbytes, dtype=torch.uint8)
     for i in range(REQUESTS):
         hang.heartbeat()
@@ -68,10 +68,13 @@ def decode_loop(g) -> None:
             fill_pattern(expected, rid, 0, j)
             assert torch.equal(pool.block_view(b), expected), f"request {i} block {j} corrupted"
         assert rt.receiver.read_aux(handle)[:8] == bytes([i % 256]) * 8
+        # The reads above finished (CPU, synchronous). On a GPU the decode kernel is still running here:
+        # pass its token, rt.receiver.release(rid, ready=tracker.record(stream)), and nothing retires
+        # (no canary fill, no republication to the next writer) before it is done.
         rt.receiver.release(rid)
         handle.retired.wait(10)
         served += handle.outcome.result(1) is Outcome.COMPLETED
-    print(f"decode server: served {served}, cancelled {cancelled}, pool {rt.engine.pool.statistics()}", flush=True)
+    print(f"decode server: served {served}, cancelled {cancelled}, pool {rt.statistics().pool}", flush=True)
     g.mark_completed()
 
 

@@ -14,7 +14,8 @@ A decode (generation) server::
 
     rx = rt.receiver.receive(request_id, num_blocks=8, writers=(0,))
     rx.landed.wait(timeout)       # KV is in rx.blocks: run decode on it
-    rt.receiver.release(request_id)   # or rt.receiver.cancel(request_id) at any time
+    run_decode(rx.blocks)         # launched on the model's stream
+    rt.receiver.release(request_id, ready=tracker.record(stream))  # or cancel(request_id) at any time
     rx.retired.wait()             # kvown returned the blocks to the pool, with proof
 
 Rules:
@@ -25,6 +26,12 @@ Rules:
      ``field``), before anything is queued: the engine never sees it, the pool is unchanged.
   4. A request id has at most one live session per role on a rank; a second ``send`` / ``receive``
      with a live id is refused (rule 3) - it would overwrite the first session's handle.
+  5. Closing never races into an error: ``release`` / ``cancel`` of a session that already retired
+     (or concluded by itself) is a no-op that returns a ``CloseResult`` naming what happened and the
+     outcome; only an id this rank never saw (or forgot: it remembers the last 65,536 per role) is
+     an error.
+  6. Validation reads only the rank's immutable ``RankView`` (peers, geometry, aux size) and the
+     handles; never the engine's mutable tables.
 """
 
 from __future__ import annotations
@@ -34,20 +41,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvown.adapters.transport import Role
-from kvown.core.errors import LocalProtocolError
+from kvown.core.errors import KvownError, LocalProtocolError
 from kvown.core.ids import is_valid_request_id
 from kvown.runtime.commands import (
     AdmissionError,
     Cancel,
+    CloseResult,
+    CloseStatus,
     LocalCopy,
     Receive,
     ReceiveHandle,
+    ReceivePhase,
+    ReceiveStatus,
     Release,
     Send,
     SendHandle,
+    SendPhase,
+    SendStatus,
     Ticket,
 )
 from kvown.runtime.engine import Engine
+from kvown.runtime.view import RankView
 
 WITHDRAWN_WAIT_S = 60.0  # a taken receive resolves within one engine step; this only bounds a dead engine
 
@@ -92,6 +106,8 @@ def _check_callback(on_done: Any) -> None:
 
 
 def _token(token: Any, field: str) -> Any:
+    if token is None:
+        return None
     if not callable(getattr(token, "query", None)):
         raise LocalProtocolError("a ready token needs a query() method (e.g. WriteTracker.record())",
                                  field=field, value=type(token).__name__)
@@ -102,7 +118,7 @@ class Sender:
     """Context side. ``Called:`` from the prefill server's threads."""
 
     def __init__(self, engine: Engine) -> None:
-        if engine.driver.sender is None:
+        if Role.SENDER not in engine.view.roles:
             raise LocalProtocolError("this rank was started without the sender role", field="roles")
         self._engine = engine
 
@@ -127,11 +143,11 @@ class Sender:
         allocator hand-back).
         After error: nothing was queued (rules 3 and 4).
         """
-        engine = self._engine
+        engine, view = self._engine, self._engine.view
         _check_rid(request_id)
-        blocks = _block_ids(src_blocks, engine.pool.num_blocks, "src_blocks")
+        blocks = _block_ids(src_blocks, view.num_blocks, "src_blocks")
         _positive_int(num_pieces, "num_pieces", at_most=len(blocks))
-        _positive_int(num_receivers, "num_receivers", at_most=len(engine.driver.transport.peers))
+        _positive_int(num_receivers, "num_receivers", at_most=max(1, len(view.peers)))
         if ready is None or not isinstance(ready, (list, tuple)):
             tokens = [_always_ready if ready is None else _token(ready, "ready")] * num_pieces
         else:
@@ -142,9 +158,9 @@ class Sender:
         if aux is not None:
             if not isinstance(aux, (bytes, bytearray)):
                 raise LocalProtocolError("aux must be bytes", field="aux", value=type(aux).__name__)
-            if len(aux) > engine.driver.config.aux_slot_nbytes:
+            if len(aux) > view.aux_slot_nbytes:
                 raise LocalProtocolError("aux payload larger than an aux slot", field="aux", nbytes=len(aux),
-                                         max_nbytes=engine.driver.config.aux_slot_nbytes)
+                                         max_nbytes=view.aux_slot_nbytes)
             aux = bytes(aux)
         _check_callback(on_done)
         _check_open(engine, request_id)
@@ -153,16 +169,42 @@ class Sender:
         engine.submit(Send(request_id, blocks, tuple(tokens), num_receivers, aux, handle))
         return handle
 
-    def cancel(self, request_id: int) -> None:
-        """Abort on the prefill side: fence the id, refuse unposted writes, let posted ones drain."""
-        self._engine.submit(Cancel(Role.SENDER, _check_rid(request_id), self._engine.clock()))
+    def cancel(self, request_id: int) -> CloseResult:
+        """Abort on the prefill side: fence the id, refuse unposted writes, let posted ones drain.
+
+        Any valid id is accepted (one with no session yet is fenced: a later send is born cancelled).
+        A send that already released is a no-op (rule 5). ``handle.released`` still means what it
+        says: no WRITE reads the source blocks any more.
+        """
+        rid = _check_rid(request_id)
+        entry, closed = self._engine.live.lookup(Role.SENDER, rid)
+        if closed is not None:
+            return closed
+        self._engine.submit(Cancel(Role.SENDER, rid, self._engine.clock()))
+        return CloseResult(rid, CloseStatus.QUEUED, None if entry is None else entry.result())
+
+    def status(self, request_id: int) -> SendStatus:
+        """Where a send is: ``phase`` open / published / posted / released (or refused), and its outcome.
+
+        Pure read of the handle (any thread). After error: ``LocalProtocolError(field="request_id")``
+        for an id this rank never sent (or forgot, rule 5).
+        """
+        rid = _check_rid(request_id)
+        entry, closed = self._engine.live.lookup(Role.SENDER, rid)
+        if entry is not None:
+            return SendStatus(rid, entry.phase, entry.result())
+        if closed is None:
+            raise LocalProtocolError("no send session for this request on this rank", field="request_id",
+                                     request_id=rid)
+        phase = SendPhase.REFUSED if closed.status is CloseStatus.REFUSED else SendPhase.RELEASED
+        return SendStatus(rid, phase, closed.outcome)
 
 
 class Receiver:
     """Generation side. ``Called:`` from the decode server's threads."""
 
     def __init__(self, engine: Engine) -> None:
-        if engine.driver.receiver is None:
+        if Role.RECEIVER not in engine.view.roles:
             raise LocalProtocolError("this rank was started without the receiver role", field="roles")
         self._engine = engine
 
@@ -212,28 +254,28 @@ class Receiver:
         to the handle (or ``PoolExhausted`` / ``LocalProtocolError``). For event-loop servers and the
         simulator, which must not block. After error: as ``receive``; nothing was queued.
         """
-        engine = self._engine
+        engine, view = self._engine, self._engine.view
         _check_rid(request_id)
         lent: tuple[int, ...] = ()
-        if hasattr(engine.pool, "lend"):  # the server's own memory: it names the blocks it lends
+        if view.lent:  # the server's own memory: it names the blocks it lends
             if num_blocks is not None or blocks is None:
                 raise LocalProtocolError("this rank's KV memory belongs to the server: pass blocks= and "
                                          "num_blocks=None", field="blocks")
-            lent = _block_ids(blocks, engine.pool.num_blocks, "blocks")
+            lent = _block_ids(blocks, view.num_blocks, "blocks")
             if len(set(lent)) != len(lent):
                 raise LocalProtocolError("blocks must be distinct", field="blocks")
             num_blocks = len(lent)
         elif blocks is not None:
             raise LocalProtocolError("kvown allocates from its own pool here: pass num_blocks, not blocks",
                                      field="blocks")
-        _positive_int(num_blocks, "num_blocks", at_most=engine.pool.num_blocks)
+        _positive_int(num_blocks, "num_blocks", at_most=view.num_blocks)
         _check_callback(on_done)
-        writers = self._writers(writers)
+        writers = _writers(writers, view)
         _positive_int(num_slices, "num_slices", at_most=len(writers))
         if len(writers) % num_slices:
             raise LocalProtocolError("num_slices must divide the number of writers", field="num_slices",
                                      num_slices=num_slices, writers=len(writers))
-        heads = engine.pool.heads()
+        heads = view.num_kv_heads
         if heads % num_slices:
             raise LocalProtocolError("num_slices must divide the KV heads", field="num_slices",
                                      num_slices=num_slices, num_kv_heads=heads)
@@ -249,43 +291,73 @@ class Receiver:
         engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket, lent, on_done))
         return ticket
 
-    def _writers(self, writers: Any) -> tuple[int, ...]:
-        try:
-            out = tuple(writers)
-        except TypeError:
-            raise LocalProtocolError("writers must be a sequence of ranks", field="writers") from None
-        if not out:
-            raise LocalProtocolError("writers must not be empty", field="writers")
-        if len(set(out)) != len(out):
-            raise LocalProtocolError("writers must be distinct", field="writers", writers=out)
-        peers = self._engine.driver.transport.peers
-        for w in out:
-            if type(w) is not int or w not in peers:
-                raise LocalProtocolError("writer is not a peer rank of this world", field="writers", writer=w,
-                                         peers=sorted(peers))
-            if Role.SENDER not in peers[w].roles:
-                raise LocalProtocolError("writer rank has no sender role", field="writers", writer=w)
-        return out
+    def cancel(self, request_id: int, *, ready: Any = None) -> CloseResult:
+        """Cancel at any point; blocks retire once every published writer has quiesced.
 
-    def cancel(self, request_id: int) -> None:
-        """Cancel at any point; blocks retire once every published writer has quiesced."""
-        entry = self._engine.live.live(Role.RECEIVER, _check_rid(request_id))
-        if isinstance(entry, ReceiveHandle):
-            entry.closing = True
-        self._engine.submit(Cancel(Role.RECEIVER, request_id, self._engine.clock()))
+        Any valid id is accepted (one with no session yet is fenced: a later receive is born
+        cancelled). A landed session is thereby released: pass ``ready`` (the token recorded after the
+        consumer's last read, as for ``release``) if a read may still be in flight. A session that
+        already retired is a no-op (rule 5).
+        """
+        rid = _check_rid(request_id)
+        token = _token(ready, "ready")
+        entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
+        if closed is not None:
+            return closed
+        handle = _resolved(entry)
+        if handle is not None:
+            if handle.closing:
+                return CloseResult(rid, CloseStatus.ALREADY_CLOSING, handle.result())
+            handle.closing = True
+        self._engine.submit(Cancel(Role.RECEIVER, rid, self._engine.clock(), token))
+        return CloseResult(rid, CloseStatus.QUEUED, None if handle is None else handle.result())
 
-    def release(self, request_id: int) -> None:
+    def release(self, request_id: int, *, ready: Any = None) -> CloseResult:
         """The consumer is done with delivered blocks; kvown retires them with proof.
 
-        After error: ``LocalProtocolError`` if the id has no live receive or its KV has not landed
-        (cancel instead); nothing was queued.
+        ``ready``: the token recorded after the consumer's last read of the blocks (on a GPU
+        ``WriteTracker.record(stream)`` after the decode kernel that reads them; a host event on CPU).
+        Nothing retires - no canary fill, no republication to the next writer - before it reports done.
+        Without a token the caller promises that every read of the blocks has finished.
+        Returns what happened (rule 5): ``QUEUED``, or a no-op ``ALREADY_CLOSING`` / ``ALREADY_RETIRED``
+        with the outcome (a cancel or timeout that won the race with the landing already closed it).
+        After error: ``LocalProtocolError`` naming ``request_id`` for an id never received here, or for a
+        live session whose KV has not landed and that has not concluded (cancel it instead); nothing
+        was queued.
         """
-        handle = self._live_handle(request_id, "release")
+        rid = _check_rid(request_id)
+        token = _token(ready, "ready")
+        entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
+        if closed is not None:
+            return closed
+        handle = _resolved(entry)
+        if handle is None:
+            raise LocalProtocolError("release: no receive session for this request on this rank",
+                                     field="request_id", request_id=rid)
+        if handle.closing or (handle.outcome.done() and not handle.landed.is_set()):
+            return CloseResult(rid, CloseStatus.ALREADY_CLOSING, handle.result())
         if not handle.landed.is_set():
             raise LocalProtocolError("release before the KV landed; cancel instead", field="request_id",
-                                     request_id=request_id)
+                                     request_id=rid)
         handle.closing = True
-        self._engine.submit(Release(request_id, self._engine.clock()))
+        self._engine.submit(Release(rid, self._engine.clock(), token))
+        return CloseResult(rid, CloseStatus.QUEUED, handle.result())
+
+    def status(self, request_id: int) -> ReceiveStatus:
+        """Where a receive is: ``phase`` published / landed / concluded / closing / retired (or refused),
+        and its outcome. After error: ``LocalProtocolError(field="request_id")`` for an unknown id."""
+        rid = _check_rid(request_id)
+        entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
+        handle = _resolved(entry)
+        if handle is not None:
+            return ReceiveStatus(rid, handle.phase, handle.result())
+        if closed is None:
+            if entry is not None:  # a ticket the engine has not answered yet
+                return ReceiveStatus(rid, ReceivePhase.PUBLISHED)
+            raise LocalProtocolError("no receive session for this request on this rank", field="request_id",
+                                     request_id=rid)
+        phase = ReceivePhase.REFUSED if closed.status is CloseStatus.REFUSED else ReceivePhase.RETIRED
+        return ReceiveStatus(rid, phase, closed.outcome)
 
     def local_copy(self, request_id: int, ready: Any) -> None:
         """Declare a local copy into the destination (e.g. a scatter kernel) as pending evidence.
@@ -302,8 +374,7 @@ class Receiver:
         self._engine.submit(LocalCopy(request_id, ready))
 
     def _live_handle(self, request_id: int, what: str) -> ReceiveHandle:
-        entry = self._engine.live.live(Role.RECEIVER, _check_rid(request_id))
-        handle = entry.future.result(WITHDRAWN_WAIT_S) if isinstance(entry, Ticket) else entry
+        handle = _resolved(self._engine.live.live(Role.RECEIVER, _check_rid(request_id)))
         if handle is None:
             raise LocalProtocolError(f"{what}: no live receive session for this request", field="request_id",
                                      request_id=request_id)
@@ -313,7 +384,35 @@ class Receiver:
         """The auxiliary payload of a landed request."""
         if handle.aux_slot < 0 or not handle.landed.is_set():
             raise LocalProtocolError("no landed aux payload", field="aux_slot", request_id=handle.request_id)
-        return self._engine.driver.read_aux(handle)
+        return self._engine.read_aux(handle)
+
+
+def _resolved(entry: Any) -> ReceiveHandle | None:
+    """The handle behind a live entry (a ticket resolves within one engine step), or None."""
+    if isinstance(entry, Ticket):
+        try:
+            return entry.future.result(WITHDRAWN_WAIT_S)  # type: ignore[no-any-return]
+        except KvownError:  # refused (pool exhausted, admission): no session
+            return None
+    return entry  # type: ignore[no-any-return]
+
+
+def _writers(writers: Any, view: RankView) -> tuple[int, ...]:
+    try:
+        out = tuple(writers)
+    except TypeError:
+        raise LocalProtocolError("writers must be a sequence of ranks", field="writers") from None
+    if not out:
+        raise LocalProtocolError("writers must not be empty", field="writers")
+    if len(set(out)) != len(out):
+        raise LocalProtocolError("writers must be distinct", field="writers", writers=out)
+    for w in out:
+        if type(w) is not int or w not in view.peers:
+            raise LocalProtocolError("writer is not a peer rank of this world", field="writers", writer=w,
+                                     peers=sorted(view.peers))
+        if Role.SENDER not in view.peers[w].roles:
+            raise LocalProtocolError("writer rank has no sender role", field="writers", writer=w)
+    return out
 
 
 class _AlwaysReady:

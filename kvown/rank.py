@@ -57,6 +57,9 @@ from kvown.runtime.driver import Driver
 from kvown.runtime.engine import Engine
 from kvown.runtime.failstop import FailStopExecutor
 from kvown.runtime.flight import FlightRecorder
+from kvown.runtime.hooks import TestHooks
+from kvown.runtime.statistics import Audit, Statistics
+from kvown.runtime.view import RankView
 from kvown.runtime.watchdog import RetirementWatchdog
 
 EXIT_POLL_S = 0.001
@@ -118,7 +121,7 @@ class LocalRank:
 
             self.metrics_server = serve(self, self.config.metrics_port + self.rank)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> Statistics:
         """What /metrics shows: the engine's statistics once it exists."""
         if self.stats_source is None:
             raise RuntimeError("kvown is still starting")
@@ -162,13 +165,68 @@ class RankRuntime:
 
         return self._api.setdefault("receiver", Receiver(self.engine))
 
+    @property
+    def view(self) -> RankView:
+        """This rank as callers see it: roles, loaded peers, KV geometry, aux size (immutable; a new one
+        is swapped in whenever a peer is loaded). Called: any thread."""
+        return self.engine.view
+
+    @property
+    def pool(self) -> KVPool | LentBlocks:
+        """The rank's KV memory: kvown's own ``KVPool`` (its ``tensor`` and ``block_view`` are what a
+        producer fills and a consumer reads) or the ledger over the server's lent memory. Read-only
+        use from other threads; blocks change hands only through the API."""
+        return self.engine.pool  # type: ignore[no-any-return]
+
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the rank's ownership state (pool, sessions, fences, counters).
+        Called: any thread; takes the engine's lock briefly."""
+        return self.engine.statistics()
+
+    def audit(self, *, check_canaries: bool = True, restamp: bool = False, timeout_s: float = 10.0) -> Audit:
+        """On a quiet rank: every table that must be empty, fence figures, and the canary of every free
+        block (``restamp`` stamps broken ones again so a long run counts each once). Runs on the engine
+        thread. Called: by soaks, demos and tests once their sessions ended."""
+        return self.engine.call(lambda d: d.audit(check_canaries=check_canaries, restamp=restamp), timeout_s)  # type: ignore[no-any-return]
+
+    @property
+    def testing(self) -> TestHooks:
+        """Planted bugs and raw frames for qualification and self-checks (``kvown.runtime.hooks``)."""
+        return self._api.setdefault("testing", TestHooks(self.engine))  # type: ignore[no-any-return]
+
+    def wait_for_peers(self, ranks: Any, timeout_s: float = 10.0) -> RankView:
+        """Wait until every rank in ``ranks`` is loaded (a world whose members join over time).
+
+        Returns the view that has them. After error: ``ConfigError(field="ranks")`` for a bad list;
+        ``AdapterError(field="ranks", missing=...)`` when they are not all loaded within ``timeout_s``.
+        Called: any thread but the engine's.
+        """
+        try:
+            want = frozenset(ranks)
+        except TypeError:
+            raise ConfigError("ranks must be a collection of rank numbers", field="ranks") from None
+        if any(type(r) is not int or not 0 <= r <= MAX_RANK for r in want):
+            raise ConfigError("ranks must be rank numbers", field="ranks", value=sorted(want, key=str))
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+            raise ConfigError("timeout_s must be a number >= 0", field="timeout_s", value=timeout_s)
+        ok, view = self.engine.wait_view(lambda v: want <= v.peers.keys(), float(timeout_s))
+        if not ok:
+            raise AdapterError("peers were not loaded in time", field="ranks",
+                               missing=sorted(want - view.peers.keys()), timeout_s=timeout_s)
+        return view
+
+    def flight_dump(self, path_or_dir: str | None = None, reason: str = "requested") -> str:
+        """Write this rank's flight recorder now (e.g. for ``kvown inspect``); returns the file's path.
+        Called: any thread; the rank keeps running."""
+        return str(self.driver.recorder.dump(directory, reason, include_stacks=False))
+
     def add_peers(self, peers: dict[int, PeerInfo], timeout_s: float = 10.0) -> None:
         """Load ranks that joined after start-up (worlds whose members come and go: the registry).
 
         Called: any thread but the engine's. After error: ``PeerProtocolError`` naming the field of an
         incompatible peer (nothing of it was loaded).
         """
-        self.engine.call(lambda driver: driver.transport.connect(peers), timeout_s)
+        self.engine.call(lambda driver: driver.connect_peers(peers), timeout_s)
 
     def inject_fault(self, plan: str) -> None:
         """Tests: replace this rank's fault plan (needs ``TransferConfig(fault=...)``)."""
@@ -182,7 +240,7 @@ class RankRuntime:
         """
         from kvown.runtime.crashguard import CrashGuard
 
-        size = self.world.size if self.world is not None else len(self.driver.transport.peers) + 1
+        size = self.world.size if self.world is not None else len(self.view.peers) + 1
         guard: CrashGuard
 
         def kill() -> None:
@@ -191,11 +249,12 @@ class RankRuntime:
         guard = CrashGuard(kill, world_size=size, error_delivered=error_delivered)
         return guard
 
-    def hang_detector(self, timeout_s: float, *, c_backstop: bool = True):  # noqa: ANN201
-        """A started ``HangDetector``; call ``.heartbeat()`` every loop iteration."""
+    def hang_detector(self, timeout_s: float, *, c_backstop: bool = True, executor: Any = None):  # noqa: ANN201
+        """A started ``HangDetector``; call ``.heartbeat()`` every loop iteration. ``executor``: where a
+        hang goes (default: this rank's fail-stop; a soak passes one that only counts)."""
         from kvown.runtime.hang import HangDetector
 
-        return HangDetector(timeout_s=timeout_s, executor=self.executor, recorder=self.driver.recorder,
+        return HangDetector(timeout_s=timeout_s, executor=executor or self.executor, recorder=self.driver.recorder,
                             c_backstop=c_backstop).start()
 
     def set_watermark(self, epoch: int) -> None:
@@ -297,7 +356,7 @@ def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: Qual
     lock = threading.Lock()
     driver = Driver(rank=local.rank, peers=tuple(sorted(peers)), roles=local.roles, transport=transport,
                     pool=local.pool, aux=local.aux, key=key, config=config, recorder=recorder,
-                    on_fail_stop=executor.request, lock=lock)
+                    on_fail_stop=executor.request, clock=time.monotonic_ns, lock=lock)
     if config.fault is not None:
         driver.probe = transport.probe  # the crash point inside a retirement (driver rule 8)
     engine = Engine(driver, fail_stop=executor.request)
@@ -476,7 +535,7 @@ def connect_registry(
             rt.add_peers({info.rank: info})
         except KvownError as exc:
             rt.driver.recorder.record("peer_refused", None, peer=info.rank, error=str(exc))
-        if all(r in rt.driver.transport.peers for r in wait_for):
+        if all(r in rt.view.peers for r in wait_for):
             loaded.set()
 
     def parse(name: str, raw: bytes) -> PeerInfo:
@@ -491,8 +550,8 @@ def connect_registry(
     try:
         lease.start()
         watcher.start(timeout_s=timeout_s)
-        if wait_for and not all(r in rt.driver.transport.peers for r in wait_for) and not loaded.wait(timeout_s):
-            missing = sorted(set(wait_for) - set(rt.driver.transport.peers))
+        if wait_for and not all(r in rt.view.peers for r in wait_for) and not loaded.wait(timeout_s):
+            missing = sorted(set(wait_for) - set(rt.view.peers))
             raise AdapterError("ranks did not join in time", field="wait_for", missing=missing, timeout_s=timeout_s)
     except BaseException:
         with contextlib.suppress(RuntimeError):  # never started: nothing to stop
@@ -504,4 +563,44 @@ def connect_registry(
     return rt
 
 
-__all__ = ["LocalRank", "RankRuntime", "connect_mpi", "connect_registry", "connect_rendezvous"]
+def connect_local(
+    roles: dict[int, Any],
+    *,
+    layout: KVLayout | None = None,
+    device: str = "cpu",
+    config: TransferConfig | None = None,
+    kill: Callable[[object, int], None] | None = None,
+    memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
+) -> dict[int, RankRuntime]:
+    """Several ranks in ONE process, each with its own NIXL agent, pool, driver and engine thread (so
+    the single-writer rule holds per rank as in a real world): for tests, examples and embedders
+    trying kvown out. ``roles``: e.g. ``{0: {"sender"}, 1: {"receiver"}}``; each rank gets kvown's own
+    pool of ``layout`` on ``device``, or the server memory ``memory[rank] = (space, on_returned)``.
+    There is no MPI world: a fail-stop calls ``kill(world=None, exit_code)`` (default: nothing), so a
+    test can assert a fail-stop without dying.
+
+    Called: once per test or trial, main thread; stop each runtime with ``rt.close()``.
+    After error: ``ConfigError`` / ``PeerProtocolError`` naming the field; nothing was started.
+    """
+    config = config or TransferConfig()
+    key = secrets.token_bytes(32)
+    job = secrets.token_hex(4)
+    memory = memory or {}
+    built = {}
+    for rank, r in roles.items():
+        space, on_returned = memory.get(rank, (None, None))
+        built[rank] = LocalRank.build(rank, config, _roles(r), job=job, layout=None if space else layout,
+                                      device=device, memory=space, on_returned=on_returned)
+    for local in built.values():
+        local.bind_metrics()
+    out = {}
+    for rank, local in built.items():
+        peers = {r: other.transport.info for r, other in built.items() if r != rank}
+        local.transport.connect(peers)
+        out[rank] = _start(local, peers, key, None, kill=kill or (lambda world, code: None))
+    for rt in out.values():
+        _launch(rt)
+    return out
+
+
+__all__ = ["LocalRank", "RankRuntime", "connect_local", "connect_mpi", "connect_registry", "connect_rendezvous"]

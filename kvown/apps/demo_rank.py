@@ -97,7 +97,7 @@ def add_workload_args(ap: argparse.ArgumentParser, *, requests: int, cancel_rate
 
 def run_sender(rt, comm, plan: list[Planned], args, deadline: float, tick=None) -> dict:
     """The prefill stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
-    sender, pool = rt.sender, rt.engine.pool
+    sender, pool = rt.sender, rt.pool
     content, tracker = KVContent(pool, max_blocks=args.max_blocks), WriteTracker(args.device)
     mine = [p for p in plan if rt.rank in p.writers]
     free = list(range(args.pool_blocks))
@@ -141,7 +141,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     """The decode stand-in. ``tick`` (optional) is called once per loop iteration (the soak's heartbeat)."""
     from mpi4py import MPI
 
-    receiver, pool = rt.receiver, rt.engine.pool
+    receiver, pool = rt.receiver, rt.pool
     mine = [p for p in plan if p.receiver == rt.rank]
     pending = list(reversed(mine))
     go: dict[int, int] = {}
@@ -210,12 +210,11 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
             _write_atomic(progress_path, f"{done} {len(mine)}")
         time.sleep(0.0002)
     time.sleep(0.05)  # let any stray late write land before the final canary check
-    free = rt.engine.call(lambda driver: driver.pool.free_blocks())
-    out["canary_broken"] = len(rt.engine.call(lambda driver: driver.canaries.check(free)))
+    out["canary_broken"] = len(rt.audit().canary_broken)
     out["unfinished"] = len(open_) + len(pending)
-    stats = rt.engine.statistics()
-    out["blocks_held_at_end"] = stats["pool"]["held"] + stats["pool"]["owned"]
-    out["fences"] = stats["receiver"]["fences"]
+    stats = rt.statistics()
+    out["blocks_held_at_end"] = stats.pool.held + stats.pool.owned
+    out["fences"] = stats.receiver.fences
     if progress_path:
         _write_atomic(progress_path, f"{len(mine) - out['unfinished']} {len(mine)}")
     return out
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         local = run_receiver(rt, comm, plan, args, deadline, progress)
     local["wall_s"] = time.monotonic() - t0
     local["rank"] = comm.Get_rank()
-    local["engine"] = rt.engine.statistics()
+    local["engine"] = rt.statistics().to_dict()
     results = comm.gather(local, root=0)
     if comm.Get_rank() == 0:
         with open(args.out, "w") as f:

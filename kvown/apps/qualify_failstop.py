@@ -86,7 +86,7 @@ def main() -> None:
         rt.receiver.receive(request_id, 2, (FROZEN,))
         deadline = None
         while deadline is None and time.monotonic() < end:
-            deadline = rt.engine.statistics()["receiver"]["oldest_fail_stop_deadline_ns"]
+            deadline = rt.statistics().receiver.oldest_fail_stop_deadline_ns
             time.sleep(0.001)
         offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall clock, sampled together
         line(

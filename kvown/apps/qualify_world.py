@@ -36,8 +36,7 @@ from kernels.ops import checksum  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.cuda import WriteTracker  # noqa: E402
 from kvown.apps.kvcontent import KVContent  # noqa: E402
-from kvown.core.messages import Envelope, KvResult, ResultStatus, seal  # noqa: E402
-from kvown.adapters import codec  # noqa: E402
+from kvown.core.messages import Envelope, KvResult, ResultStatus  # noqa: E402
 
 import argparse  # noqa: E402
 
@@ -61,7 +60,7 @@ _connect_t0 = time.monotonic()
 rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0, fault="", canary=True),
                  roles={"receiver"} if rank == RX else {"sender"}, device=ARGS.device)
 CONNECT_S = time.monotonic() - _connect_t0  # agent, registration, metadata allgather + load, barrier
-pool = rt.engine.pool
+pool = rt.pool
 results: dict[str, dict[str, bool]] = {}
 verified_nbytes = {"pattern": 0, "checksum": 0}
 content = KVContent(pool, max_blocks=8)
@@ -139,19 +138,19 @@ def happy(r):
 def cancel_before_publication(r):
     if rank == RX:
         rt.receiver.cancel(r)  # the client aborted before the decode side dispatched
-        sent_before = rt.engine.statistics()["counters"].get("control_sent", 0)
+        sent_before = rt.statistics().counter("control_sent")
         h = rt.receiver.receive(r, 2, (W0,))
         retired = h.retired.wait(5)
-        sent_after = rt.engine.statistics()["counters"].get("control_sent", 0)
+        sent_after = rt.statistics().counter("control_sent")
         check("cancel_before_publication", born_cancelled=outcome(h) is Outcome.CANCELLED, retired=retired,
               nothing_published=sent_after == sent_before)
     elif rank == W0:
         rt.sender.cancel(r)
-        written = rt.engine.statistics()["counters"].get("bytes_written", 0)
+        written = rt.statistics().counter("bytes_written")
         hs = rt.sender.send(r, (1, 2))
         check("cancel_before_publication", sender_born_cancelled=outcome(hs) is Outcome.CANCELLED,
               sender_released=hs.released.wait(5),
-              nothing_written=rt.engine.statistics()["counters"].get("bytes_written", 0) == written)
+              nothing_written=rt.statistics().counter("bytes_written") == written)
 
 
 @scenario
@@ -160,7 +159,7 @@ def cancel_mid_transfer(r):
         rt.inject_fault("slow-writer:nth=1:ms=400")  # the next WRITE reports DONE only after 400 ms
         hs = rt.sender.send(r, (20, 21, 22))
         deadline = time.monotonic() + 5
-        while rt.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+        while rt.statistics().writes_in_flight == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
         comm.send("posted", dest=RX, tag=11)
         check("cancel_mid_transfer", sender_cancelled=outcome(hs) is Outcome.CANCELLED,
@@ -172,7 +171,7 @@ def cancel_mid_transfer(r):
         t0 = time.monotonic_ns()
         rt.receiver.cancel(r)
         time.sleep(0.15)
-        held_while_writing = not h.retired.is_set() and rt.engine.statistics()["pool"]["free"] <= 64 - 3
+        held_while_writing = not h.retired.is_set() and rt.statistics().pool.free <= 64 - 3
         retired = h.retired.wait(5)
         check("cancel_mid_transfer", held_while_write_in_flight=held_while_writing, retired_after_quiesce=retired,
               waited_for_the_write=(h.retired_ns - t0) >= 200_000_000, outcome_cancelled=outcome(h) is Outcome.CANCELLED)
@@ -188,11 +187,11 @@ def cancel_before_sender_session(r):
         comm.send("go", dest=W0, tag=12)
     elif rank == W0:
         recv(RX, 12)
-        written = rt.engine.statistics()["counters"].get("bytes_written", 0)
+        written = rt.statistics().counter("bytes_written")
         hs = rt.sender.send(r, (30, 31))  # the late session is born cancelled by the fence
         check("cancel_before_sender_session", late_session_born_cancelled=outcome(hs) is Outcome.CANCELLED,
               released=hs.released.wait(5),
-              nothing_written=rt.engine.statistics()["counters"].get("bytes_written", 0) == written)
+              nothing_written=rt.statistics().counter("bytes_written") == written)
 
 
 @scenario
@@ -261,25 +260,22 @@ def hostile_frames(r):
     rejected by the size cap before anything else; that is tested in-process, because UCX itself
     fails notifications of about a MiB now and then under load, after send_notif returned.)"""
     if rank == W1:  # an insider or a stranger
-        agent, key = rt.driver.transport.peers[RX].agent_name, rt.driver.key
+        hooks = rt.testing
         result = KvResult(W1, r, 0, True, ResultStatus.SUCCESS, 0)
         frames = {
             "garbage": b"\x00garbage",
-            "forged": codec.encode(Envelope(W1, RX, 99, result), b"k" * 32),
-            "replay": codec.encode(Envelope(W1, RX, 0, result), key),  # seq 0 was used long ago
-            "misaddressed": codec.encode(Envelope(W1, 1, 5, result), key),
-            "malformed": seal(b"\x91\x01", key),
+            "forged": hooks.encode(Envelope(W1, RX, 99, result), b"k" * 32),
+            "replay": hooks.encode(Envelope(W1, RX, 0, result)),  # seq 0 was used long ago
+            "misaddressed": hooks.encode(Envelope(W1, 1, 5, result)),
+            "malformed": hooks.seal(b"\x91\x01"),
         }
-
-        def send_one(frame: bytes):  # on the engine thread, which owns the agent; the raw agent
-            return lambda driver: driver.transport.endpoint._agent.send_notif(agent, frame)  # skips kvown's checks
 
         sent: list[str] = []
         recv(RX, 16)  # the receiver has taken its "before" snapshot
         try:
             for name, frame in frames.items():  # one per engine step, so the agent progresses between
                 try:
-                    rt.engine.call(send_one(frame))
+                    hooks.send_raw(RX, frame)  # past kvown's framing: the agent sends it as-is
                     sent.append(name)
                 except Exception:  # not sent: not expected either
                     pass
@@ -287,24 +283,24 @@ def hostile_frames(r):
         finally:
             comm.send(sent, dest=RX, tag=15)
     elif rank == RX:
-        before = rt.engine.statistics()
+        before = rt.statistics()
         comm.send("snapshot taken", dest=W1, tag=16)
         sent = recv(W1, 15)
         want_rejected = len([name for name in sent if name != "replay"])
         want_duplicates = int("replay" in sent)
         deadline = time.monotonic() + 10
         while True:
-            after = rt.engine.statistics()
-            rejected = after["counters"].get("rejected_frames", 0) - before["counters"].get("rejected_frames", 0)
-            duplicates = after["counters"].get("duplicate_frames", 0) - before["counters"].get("duplicate_frames", 0)
+            after = rt.statistics()
+            rejected = after.rejected_frames - before.rejected_frames
+            duplicates = after.duplicate_frames - before.duplicate_frames
             if (rejected >= want_rejected and duplicates >= want_duplicates) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         check("hostile_frames", rejected_and_counted=rejected == want_rejected and want_rejected == 4,
               replay_dropped=duplicates == want_duplicates == 1,
-              no_session_created=after["receiver"]["sessions"] == before["receiver"]["sessions"],
-              not_quarantined=after["receiver"]["quarantined"] == "",
-              pool_unchanged=after["pool"] == before["pool"])
+              no_session_created=after.receiver.sessions == before.receiver.sessions,
+              not_quarantined=after.receiver.quarantined == "",
+              pool_unchanged=after.pool == before.pool)
 
 
 @scenario
@@ -368,7 +364,7 @@ if rank == 0:
     figures = {
         "ranks": [{k: info[k] for k in ("rank", "host", "pid")} for info in ranks],
         "connect_s": [round(info["connect_s"], 4) for info in ranks],
-        "metadata_nbytes": {p: len(peer.agent_metadata) for p, peer in rt.driver.transport.peers.items()},
+        "metadata_nbytes": {p: peer.metadata_nbytes for p, peer in rt.view.peers.items()},
         # who carried kvown traffic (NIXL WRITEs and notifications) in this world, as (from, to)
         "traffic_pairs": [[W0, RX], [W1, RX], [RX, W0], [RX, W1]],
         "verified_nbytes_pattern": sum(info["verified_nbytes"]["pattern"] for info in ranks),

@@ -57,33 +57,6 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def driver_tables(driver: Any) -> dict[str, int]:
-    """Every table of the driver that must be empty when the world is quiet (run on the engine thread)."""
-    sender = driver.sender
-    return {
-        "sessions": sum(len(c.sessions) for c in driver._cores()),
-        "receive_handles": len(driver._recvs),
-        "send_states": len(driver._sends),
-        "writes_in_flight": len(driver._writes),
-        "writes_in_doubt": len(driver._in_doubt),
-        "unreleased_handles": len(driver._unreleased),
-        "unsent_frames": sum(len(o.frames) for o in driver._unsent.values()),
-        "local_copies": len(driver._local_copies),
-        "aux_slots_used": driver.config.aux_slots - len(driver._aux_free),
-        "saved_publications": len(sender._saved) if sender is not None else 0,
-        "held_frames": sum(len(h) for h in driver.inn._held.values()),
-    }
-
-
-def fence_figures(driver: Any) -> dict[str, int]:
-    cores = driver._cores()
-    return {
-        "fences": sum(len(c.fence) for c in cores),
-        "fence_nbytes": sum(c.fence.nbytes() for c in cores),
-        "fences_compacted": sum(c.counters.get("fences_compacted", 0) for c in cores),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown.apps.soak_rank")
     ap.add_argument("--duration-s", type=float, required=True)
@@ -109,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TransferConfig(transfer_timeout_s=args.timeout_s, fault=args.fault or "", canary=True)
     rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
     executor = CountingExecutor()
-    hang = HangDetector(
-        timeout_s=args.hang_timeout_s, executor=executor, recorder=rt.driver.recorder, c_backstop=False
-    ).start()
+    hang = rt.hang_detector(args.hang_timeout_s, executor=executor, c_backstop=False)
     gap = {"last": time.monotonic(), "max": 0.0}
 
     def beat() -> None:
@@ -186,33 +157,21 @@ def main(argv: list[str] | None = None) -> int:
         rt.set_watermark(epoch + 1)
         if role == "receiver" and "leak" in plants and k == 1:
             leaked_rid = make_request_id(epoch, 10**6)
-            rt.engine.call(lambda d: d.pool.allocate(1, owner=leaked_rid))  # planted leak
+            rt.testing.plant_leak(leaked_rid)
         if role == "receiver" and "corrupt" in plants and k == 1:
 
-            def scribble(d: Any) -> None:  # planted: a late write lands in a free (retired) block
-                # the lowest free block: the allocator hands out low runs first, so it was used and
-                # retired with a canary (a never-used block has no canary to break)
-                d.pool.block_view(d.pool.free_blocks()[0]).view(-1)[0] ^= 0xFF
-
-            rt.engine.call(scribble)
+            rt.testing.plant_scribble()  # a late write lands in a free (retired) block
         canary_broken = 0  # counted here only (run_receiver's own check would count a block twice)
-        if role == "receiver":
-
-            def check_canaries(d: Any) -> int:
-                broken = d.canaries.check(d.pool.free_blocks())
-                d.canaries.fill(tuple(b.block for b in broken))  # count once, keep the soak running
-                return len(broken)
-
-            canary_broken = rt.engine.call(check_canaries)
+        if role == "receiver":  # restamp: count each broken block once, keep the soak running
+            canary_broken = len(rt.audit(restamp=True).canary_broken)
             totals["canary_broken"] += canary_broken
-        tables = rt.engine.call(driver_tables)
+        audit = rt.audit(check_canaries=False)
         settle_end = time.monotonic() + 2 * config.control_retry_s
-        while any(tables.values()) and time.monotonic() < settle_end:
+        while audit.leaks and time.monotonic() < settle_end:
             time.sleep(0.01)  # a send that just raised is resent on the next step: not a leak (yet)
-            tables = rt.engine.call(driver_tables)
-        stats = rt.engine.statistics()
-        fences = rt.engine.call(fence_figures)
-        pool = stats["pool"]
+            audit = rt.audit(check_canaries=False)
+        stats = rt.statistics()
+        pool = stats.pool.to_dict()
         sample = {
             "rank": rank,
             "role": role,
@@ -224,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             "pool": pool,
             "pool_accounting_ok": pool["total"] == pool["free"] + pool["owned"] + pool["held"],
             "blocks_held": pool["owned"] + pool["held"] if role == "receiver" else 0,
-            "tables": tables,
-            "leaks": {name: n for name, n in tables.items() if n},
+            "tables": dict(audit.tables),
+            "leaks": audit.leaks,
             "totals": dict(totals),
             "canary_broken_now": canary_broken,
             "hang_reports": len(executor.reports),
             "max_heartbeat_gap_s": round(gap["max"], 4),
             "counters": {
-                name: stats["counters"].get(name, 0)
+                name: stats.counter(name)
                 for name in (
                     "control_sent",
                     "control_resent",
@@ -242,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                     "duplicate_frames",
                 )
             },
-            "faults": dict(getattr(rt.driver.transport, "counts", {})),
-            **fences,
+            "faults": dict(stats.faults),
+            "fences": audit.fences,
+            "fence_nbytes": audit.fence_nbytes,
+            "fences_compacted": audit.fences_compacted,
         }
         with open(samples_path, "a") as f:
             f.write(json.dumps(sample) + "\n")

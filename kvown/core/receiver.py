@@ -131,6 +131,9 @@ RX_TRANSITIONS: dict[tuple[RxState, RxInput], str] = {
     (RxState.DRAINING, RxInput.CANCEL): "_on_repeat_cancel",
     (RxState.DRAINING, RxInput.RESULT): "_on_result",
     (RxState.DRAINING, RxInput.QUIESCED): "_on_quiesced",
+    # A copy or read the consumer queued before it learned of the outcome (or a release's ready token)
+    # still touches the blocks: it is a claim like any other, never refused.
+    (RxState.DRAINING, RxInput.LOCAL_PENDING): "_on_local_pending",
     (RxState.DRAINING, RxInput.LOCAL_DONE): "_on_local_done",
     (RxState.DRAINING, RxInput.RELEASE): "_on_repeat_release",
 }

@@ -525,6 +525,15 @@ class SenderCore(RankCore[SendSession]):
     def _state_name(self, s: SendSession) -> str:
         return "open" if s.outcome is None else "draining"
 
+    def saved_publications(self) -> int:
+        """Pure: publications waiting for a session that has not opened yet (for audits)."""
+        return len(self._saved)
+
+    def published(self, request_id: int) -> bool:
+        """Pure: some receiver's publication is attached to the live session (for the driver's handles)."""
+        s = self.sessions.get(request_id)
+        return s is not None and bool(s.streams)
+
     def may_write(self, request_id: int, receiver_rank: int) -> bool:
         """True if some operation of this stream is posted or could still be posted (for checkers)."""
         s = self.sessions.get(request_id)

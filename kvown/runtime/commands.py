@@ -12,6 +12,11 @@ Rules:
   3. A ``Receive`` is taken by the driver or withdrawn by its caller, never both: whoever acquires
      the ticket first wins. So a caller that gave up waiting never leaves blocks allocated and
      published with no handle.
+  4. Every ``*_ns`` on a handle is the engine clock at the event itself (the driver stamps it when the
+     event happens, not the step's start), or the caller's own call for ``cancelled_ns`` /
+     ``released_ns`` of a receive: so a latency between two of them is never negative.
+  5. ``LiveRequests`` remembers how the last ``remember`` finished sessions per rank ended, so a late
+     release or cancel of one of them is a no-op that reports its outcome (``CloseResult``).
 
 Invariants:
   INV-CMD1  ``Ticket.take`` and ``Ticket.withdraw`` together return True at most once.
@@ -22,12 +27,15 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
+import enum
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvown.adapters.transport import Role
+from kvown.core.actions import Outcome
 from kvown.core.errors import KvownError
 
 
@@ -77,6 +85,33 @@ class AdmissionError(KvownError):
     """A session was refused (fail-stop latched, receiver quarantined, stale epoch). Nothing was created."""
 
 
+class SendPhase(enum.Enum):
+    """Where a send session is (``SendHandle.phase``); each phase implies the ones before it."""
+
+    OPEN = "open"  # waiting for a receiver to publish its destination
+    PUBLISHED = "published"  # a receiver published; no WRITE posted yet (waiting for the ready token)
+    POSTED = "posted"  # a WRITE was posted: the source blocks are being read
+    RELEASED = "released"  # no WRITE can read the source blocks any more (quiesced): reuse them
+    REFUSED = "refused"  # never opened (admission refused); nothing was posted
+
+
+class ReceivePhase(enum.Enum):
+    """Where a receive session is (``ReceiveHandle.phase``)."""
+
+    PUBLISHED = "published"  # the destination was published to every writer; waiting for evidence
+    LANDED = "landed"  # delivered: the KV may be read (until release)
+    CONCLUDED = "concluded"  # ended without delivery (cancelled, failed, timed out): held until proof
+    CLOSING = "closing"  # the caller released or cancelled it: retirement waits for proof
+    RETIRED = "retired"  # the blocks are back in the pool (or with the server), with proof
+    REFUSED = "refused"  # never opened (admission refused or pool exhausted); nothing was published
+
+
+def _outcome_of(future: Future) -> Outcome | None:
+    if not future.done() or future.exception() is not None:
+        return None
+    return future.result()  # type: ignore[no-any-return]
+
+
 @dataclass(eq=False)
 class SendHandle:
     """Returned by ``Sender.send``. ``released`` is set when no WRITE can still read the source blocks."""
@@ -85,8 +120,25 @@ class SendHandle:
     outcome: Future = field(default_factory=Future)
     released: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
+    published_ns: int = 0  # the first receiver's publication attached to this session
+    posted_ns: int = 0  # the first WRITE was posted
     released_ns: int = 0
     on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``released``
+
+    @property
+    def phase(self) -> SendPhase:
+        """Pure read (any thread): the furthest phase the driver has reported."""
+        if self.outcome.done() and self.outcome.exception() is not None:
+            return SendPhase.REFUSED
+        if self.released.is_set():
+            return SendPhase.RELEASED
+        if self.posted_ns:
+            return SendPhase.POSTED
+        return SendPhase.PUBLISHED if self.published_ns else SendPhase.OPEN
+
+    def result(self) -> Outcome | None:
+        """The committed outcome, or None while the session is undecided (or was refused)."""
+        return _outcome_of(self.outcome)
 
 
 @dataclass(eq=False)
@@ -107,6 +159,41 @@ class ReceiveHandle:
     closing: bool = False  # written by the API only: release or cancel was asked (no local copy after)
     on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``retired``
 
+    @property
+    def phase(self) -> ReceivePhase:
+        """Pure read (any thread): the furthest phase the driver (or the caller's close) reached."""
+        if self.outcome.done() and self.outcome.exception() is not None:
+            return ReceivePhase.REFUSED
+        if self.retired.is_set():
+            return ReceivePhase.RETIRED
+        if self.closing:
+            return ReceivePhase.CLOSING
+        if self.landed.is_set():
+            return ReceivePhase.LANDED
+        return ReceivePhase.CONCLUDED if self.outcome.done() else ReceivePhase.PUBLISHED
+
+    def result(self) -> Outcome | None:
+        """The committed outcome, or None while the session is undecided (or was refused)."""
+        return _outcome_of(self.outcome)
+
+
+class CloseStatus(enum.Enum):
+    """What a ``release`` / ``cancel`` call did (``CloseResult.status``). None of these is an error."""
+
+    QUEUED = "queued"  # asked now: the session retires once every published writer is proven quiescent
+    ALREADY_CLOSING = "already_closing"  # released, cancelled or concluded before: it retires by itself
+    ALREADY_RETIRED = "already_retired"  # it retired already (e.g. a cancel won the race with the landing)
+    REFUSED = "refused"  # the session never opened (admission refused): there is nothing to close
+
+
+@dataclass(frozen=True, slots=True)
+class CloseResult:
+    """The answer of ``release`` / ``cancel``: what happened, and the session's outcome where known."""
+
+    request_id: int
+    status: CloseStatus
+    outcome: Outcome | None = None
+
 
 class Ticket:
     """Rule 3: a one-shot latch shared by a ``Receive`` command and its caller, plus the caller's future."""
@@ -122,17 +209,38 @@ class Ticket:
     withdraw = take  # the caller gives up; False: the driver already took it (wait for the handle)
 
 
+@dataclass(frozen=True, slots=True)
+class SendStatus:
+    """``Sender.status``: where a send is, and its outcome where committed."""
+
+    request_id: int
+    phase: SendPhase
+    outcome: Outcome | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveStatus:
+    """``Receiver.status``: where a receive is, and its outcome where committed."""
+
+    request_id: int
+    phase: ReceivePhase
+    outcome: Outcome | None = None
+
+
 class LiveRequests:
-    """The request ids of this rank with a live handle, per role: the API's duplicate-id check.
+    """The request ids of this rank with a handle, per role: the API's duplicate-id check, and the
+    memory of how finished sessions ended (rule 5).
 
     A handle is live until it finished (a send's ``released``, a receive's ``retired``, or an
     exception on its outcome). Called: by API threads, under this object's own lock; the driver
     never touches it (liveness is read from the handles, which the driver completes).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 65536) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[Role, int], Any] = {}
+        self._closed: collections.OrderedDict[tuple[Role, int], CloseResult] = collections.OrderedDict()
+        self._remember = remember
         self._prune_at = 1024
 
     @staticmethod
@@ -152,9 +260,21 @@ class LiveRequests:
                 raise LocalProtocolError(f"request id already has a live {role.value} session on this rank",
                                          field="request_id", request_id=request_id)
             self._entries[key] = entry
-            if len(self._entries) >= self._prune_at:  # amortised: drop finished entries
-                self._entries = {k: v for k, v in self._entries.items() if self._alive(v)}
-                self._prune_at = max(1024, 2 * len(self._entries))
+            self._closed.pop(key, None)
+            if len(self._entries) >= self._prune_at:  # amortised: finished entries become records
+                self._prune()
+
+    def _prune(self) -> None:
+        live = {}
+        for key, entry in self._entries.items():
+            if self._alive(entry):
+                live[key] = entry
+            else:
+                self._closed[key] = _final(key[1], entry)
+        self._entries = live
+        while len(self._closed) > self._remember:
+            self._closed.popitem(last=False)
+        self._prune_at = max(1024, 2 * len(self._entries))
 
     def replace(self, role: Role, request_id: int, entry: Any) -> None:
         with self._lock:
@@ -165,6 +285,26 @@ class LiveRequests:
         with self._lock:
             entry = self._entries.get((role, request_id))
             return entry if entry is not None and self._alive(entry) else None
+
+    def lookup(self, role: Role, request_id: int) -> tuple[Any, CloseResult | None]:
+        """``(live entry, None)``, ``(None, how it ended)`` for a remembered finished session, or
+        ``(None, None)`` for an id this rank never saw (or forgot, rule 5)."""
+        key = (role, request_id)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return (entry, None) if self._alive(entry) else (None, _final(request_id, entry))
+            return None, self._closed.get(key)
+
+
+def _final(request_id: int, entry: Any) -> CloseResult:
+    """How a finished entry ended (its handle retired / released, or it was refused)."""
+    future = entry.future if isinstance(entry, Ticket) else entry.outcome
+    if isinstance(entry, Ticket) and future.done() and future.exception() is None:
+        future = future.result().outcome
+    if future.done() and future.exception() is not None:
+        return CloseResult(request_id, CloseStatus.REFUSED)
+    return CloseResult(request_id, CloseStatus.ALREADY_RETIRED, _outcome_of(future))
 
 
 def _alive_handle(handle: Any) -> bool:
@@ -205,12 +345,14 @@ class Cancel(Command):
     role: Role
     request_id: int
     issued_ns: int  # the engine clock when the caller asked: cancel -> retired counts from here
+    ready: Any = None  # receive side: the consumer's ready token (as for ``Release``)
 
 
 @dataclass(frozen=True, slots=True)
 class Release(Command):
     request_id: int
     issued_ns: int  # as for ``Cancel``: release -> retired counts from the caller's call
+    ready: Any = None  # the consumer's ready token: nothing retires before it reports done
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,5 +374,6 @@ class Call(Command):
     future: Future
 
 
-__all__ = ["AdmissionError", "Call", "Cancel", "Command", "LazyEvent", "LiveRequests", "LocalCopy", "ReceiveHandle",
-           "Receive", "Release", "Send", "SendHandle", "SetWatermark", "Ticket"]
+__all__ = ["AdmissionError", "Call", "Cancel", "CloseResult", "CloseStatus", "Command", "LazyEvent", "LiveRequests",
+           "LocalCopy", "ReceiveHandle", "ReceivePhase", "Receive", "Release", "Send", "SendHandle", "SendPhase",
+           "ReceiveStatus", "SendStatus", "SetWatermark", "Ticket"]

@@ -12,7 +12,9 @@ Rules:
   1. ``step(now_ns)`` takes everything that arrived - every queued command, every frame, the status
      of every WRITE in flight (and only those), every ready token not yet reported, due deadlines -
      turns each into one core event, and executes each batch of actions in order before the next
-     event. It never blocks, sleeps, reads a clock or starts a thread.
+     event. It never blocks, sleeps or starts a thread; the protocol runs on ``now_ns``. The one
+     clock it reads is the injected ``clock`` (the engine's; the simulator's in simulation), and only
+     to stamp an API handle's ``*_ns`` at the event itself (commands module rule 4).
   2. Each action is one call into one adapter (``transport.write``, ``pool.retire``) or one handle
      update, with one exception that saves a frame per message: ``SendControl`` only queues its
      message for its peer, and at the end of the step every peer's queue leaves as one frame (a batch;
@@ -35,9 +37,14 @@ Rules:
   6. A FailStop - from a core, from the resend budget, from a broken canary, or an
      ``InvariantViolation`` raised during a step - latches ``fatal``, is handed to ``on_fail_stop``
      once, and from then on ``step`` does nothing: every block, handle and root stays held.
-  7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``
-     and ``statistics``. The cores are read and written only under ``lock``, which ``step`` holds
-     just while a core handles one event (never during I/O).
+  7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``,
+     ``statistics`` and ``view`` (an immutable ``RankView``, swapped whole when a peer is loaded). The
+     cores are read and written only under ``lock``, which ``step`` holds just while a core handles
+     one event (never during I/O).
+  7a. Late closes are settled here, not in the core: a release, cancel or local copy for a receive
+     that already retired (a cancel won the race with the landing, say) is a counted no-op; a release
+     or cancel with a ready token registers the token as a local completion first, so nothing retires
+     (no canary fill, no republication) before the consumer's reads are done.
   8. The hot path formats nothing and scans nothing that does not move: the flight recorder gets
      integer event codes and plain values (``FlightRecorder.note``); a ready token that is ready when
      its send opens is reported at once and never polled, and the others are queried round robin, at
@@ -126,6 +133,8 @@ from kvown.runtime.commands import (
 )
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.flight import FlightRecorder, event_code
+from kvown.runtime.statistics import Audit, PoolCounts, ReceiverStatistics, RoleStatistics, Statistics, frozen
+from kvown.runtime.view import RankView, ViewCell, frozen_peers
 
 # Flight-recorder event codes of the hot path (module rule 8); the field names appear only in dumps.
 EV_SEND = event_code("send", "dst", "seq", "msgs")
@@ -178,9 +187,11 @@ class Driver:
         config: TransferConfig,
         recorder: FlightRecorder,
         on_fail_stop: Callable[[FailStop], None],
+        clock: Callable[[], int],
         lock: ContextManager[Any] | None = None,
     ) -> None:
         self.rank = rank
+        self._stamp = clock  # rule 1: handle timestamps only
         self.transport = transport
         self.pool = pool
         self.aux = aux  # uint8 tensor: aux_slots * aux_slot_nbytes
@@ -216,7 +227,10 @@ class Driver:
         self._carried_seen: dict[int, set[tuple[int, Any, int]]] = {}  # rid -> carried reports handed over
         self._next_local = 0
         self._aux_free = list(range(config.aux_slots - 1, -1, -1))
+        self._unpublished: dict[int, SendHandle] = {}  # sends no receiver has published to yet
         self.probe: Callable[[str, int], None] | None = None  # rule 9: tests only
+        self._roles = roles
+        self.views = ViewCell(self._make_view(0))
 
     # ---- any thread ---------------------------------------------------------------------------
 
@@ -239,37 +253,93 @@ class Driver:
         deadlines = [d for d in (c.next_deadline_ns() for c in self._cores()) if d is not None]
         return min(deadlines, default=None)
 
-    def statistics(self) -> dict[str, Any]:
-        """A snapshot for dashboards and tests. Called: any thread (takes ``lock``)."""
+    def statistics(self) -> Statistics:
+        """A frozen snapshot for dashboards, benchmarks and checks. Called: any thread (takes ``lock``)."""
         with self.lock:
             pool = self.pool.statistics()
-            out: dict[str, Any] = {
-                "rank": self.rank,
-                "pool": {"total": pool.total, "free": pool.free, "owned": pool.owned, "held": pool.held},
-                "writes_in_flight": len(self._writes),
-                "writes_in_doubt": len(self._in_doubt),
-                "control_unsent": sum(len(o.frames) for o in self._unsent.values()),
-                "fatal": None if self.fatal is None else self.fatal.detail,
-                "counters": {**self.stats, "duplicate_frames": self.inn.duplicates},
-            }
-            for name, core in (("sender", self.sender), ("receiver", self.receiver)):
-                if core is not None:
-                    out[name] = {
-                        "sessions": len(core.sessions),
-                        "sessions_by_state": core.sessions_by_state(),
-                        "fences": len(core.fence),
-                        "oldest_fail_stop_deadline_ns": core.nearest_fail_stop_ns(),
-                        "counters": dict(core.counters),
-                    }
+            sender = receiver = None
+            if self.sender is not None:
+                sender = RoleStatistics(**self._role_figures(self.sender))
             if self.receiver is not None:
-                out["receiver"]["blocks_awaiting_proof"] = pool.held
-                out["receiver"]["quarantined"] = self.receiver.quarantined
-                out["receiver"]["acks_pending"] = {
-                    rid: [w.rank for w in s.writers.values() if not w.settled]
-                    for rid, s in list(self.receiver.sessions.items())
-                    if s.outcome is not None
-                }
-            return out
+                rx = self.receiver
+                pending = {rid: tuple(w.rank for w in s.writers.values() if not w.settled)
+                           for rid, s in list(rx.sessions.items()) if s.outcome is not None}
+                receiver = ReceiverStatistics(**self._role_figures(rx), blocks_awaiting_proof=pool.held,
+                                              quarantined=rx.quarantined, acks_pending=frozen(pending))
+            return Statistics(
+                rank=self.rank,
+                pool=PoolCounts(pool.total, pool.free, pool.owned, pool.held),
+                writes_in_flight=len(self._writes),
+                writes_in_doubt=len(self._in_doubt),
+                control_unsent=sum(len(o.frames) for o in self._unsent.values()),
+                fatal=None if self.fatal is None else self.fatal.detail,
+                counters=frozen({**self.stats, "duplicate_frames": self.inn.duplicates}),
+                sender=sender,
+                receiver=receiver,
+                faults=frozen(getattr(self.transport, "counts", {})),
+            )
+
+    def audit(self, *, check_canaries: bool = True, restamp: bool = False) -> Audit:
+        """The tables that must be empty on a quiet rank, fence figures, and the canaries of every free
+        block (``restamp``: stamp broken ones again, so a long run counts each once). Engine thread."""
+        sender, cores = self.sender, self._core_list
+        tables = {
+            "sessions": sum(len(c.sessions) for c in cores),
+            "receive_handles": len(self._recvs),
+            "send_states": len(self._sends),
+            "writes_in_flight": len(self._writes),
+            "writes_in_doubt": len(self._in_doubt),
+            "unreleased_handles": len(self._unreleased),
+            "unsent_frames": sum(len(o.frames) for o in self._unsent.values()),
+            "local_copies": len(self._local_copies),
+            "aux_slots_used": self.config.aux_slots - len(self._aux_free),
+            "saved_publications": sender.saved_publications() if sender is not None else 0,
+            "held_frames": self.inn.held_count(),
+        }
+        free = tuple(self.pool.free_blocks()) if hasattr(self.pool, "free_blocks") else ()
+        broken: list[Any] = []
+        if check_canaries and self.canaries is not None and free:
+            broken = self.canaries.check(free)
+            if restamp and broken:
+                self.canaries.fill(tuple(b.block for b in broken))
+        return Audit(
+            tables=frozen(tables), fences=sum(len(c.fence) for c in cores),
+            fence_nbytes=sum(c.fence.nbytes() for c in cores),
+            fences_compacted=sum(c.counters.get("fences_compacted", 0) for c in cores),
+            free_blocks=self.pool.statistics().free,
+            canary_broken=tuple((b.block, b.epoch, b.offset) for b in broken),
+        )
+
+    @staticmethod
+    def _role_figures(core: RankCore) -> dict[str, Any]:
+        return {"sessions": len(core.sessions), "sessions_by_state": frozen(core.sessions_by_state()),
+                "fences": len(core.fence), "oldest_fail_stop_deadline_ns": core.nearest_fail_stop_ns(),
+                "counters": frozen(core.counters)}
+
+    @property
+    def view(self) -> RankView:
+        """The current immutable view (rule 7). Called: any thread."""
+        return self.views.view
+
+    def _make_view(self, version: int) -> RankView:
+        pool, config = self.pool, self.config
+        return RankView(
+            rank=self.rank, roles=self._roles, peers=frozen_peers(getattr(self.transport, "peers", {})),
+            num_blocks=pool.num_blocks, num_kv_heads=pool.heads(),
+            block_nbytes=sum(r.chunk_nbytes for r in pool.space().regions),
+            aux_slots=config.aux_slots, aux_slot_nbytes=config.aux_slot_nbytes, lent=hasattr(pool, "lend"),
+            version=version,
+        )
+
+    def refresh_view(self) -> RankView:
+        """Publish a new view after the transport's peers changed. Called: engine thread, or before the
+        engine starts (start-up, the simulator's wiring)."""
+        return self.views.publish(self._make_view)
+
+    def connect_peers(self, peers: dict[int, Any]) -> RankView:
+        """Load peers that joined (``transport.connect``) and publish the new view. Engine thread."""
+        self.transport.connect(peers)  # type: ignore[attr-defined]
+        return self.refresh_view()
 
     # ---- the step (engine thread) ---------------------------------------------------------------
 
@@ -324,6 +394,17 @@ class Driver:
                     self.recorder.record("local_protocol_error", getattr(event, "request_id", None), error=str(exc))
                     continue
             self._execute(core, actions)
+            if self._unpublished and core is self.sender:
+                self._note_publication(event)
+
+    def _note_publication(self, event: Event) -> None:
+        """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an
+        arriving REQUEST_DATA, or a saved one when the session opened)."""
+        rid = event.envelope.message.request_id if type(event) is MessageReceived else getattr(event, "request_id", None)
+        handle = self._unpublished.get(rid)  # type: ignore[arg-type]
+        if handle is not None and self.sender.published(rid):  # type: ignore[union-attr]
+            del self._unpublished[rid]  # type: ignore[arg-type]
+            handle.published_ns = self._stamp()
 
     # ---- commands ------------------------------------------------------------------------------
 
@@ -336,7 +417,6 @@ class Driver:
         return moved
 
     def _command(self, command: Command) -> None:
-        now = self._now_ns
         match command:
             case Send(request_id=rid):
                 if self.sender is None or rid in self._sends:
@@ -352,8 +432,9 @@ class Driver:
                     view = self._aux_view(aux_slot)
                     view.zero_()
                     view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
-                command.handle.opened_ns = now
+                command.handle.opened_ns = self._stamp()
                 state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
+                self._unpublished[rid] = command.handle
                 self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
                 self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
                                                             command.num_receivers)))
@@ -364,26 +445,25 @@ class Driver:
                 if not command.ticket.take():
                     self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
                     return
-                self._open_receive(command, now)
-            case Cancel(role=role, request_id=rid, issued_ns=issued_ns):
+                self._open_receive(command)
+            case Cancel(role=role, request_id=rid, issued_ns=issued_ns, ready=ready):
                 core = self.sender if role is Role.SENDER else self.receiver
                 handle = self._recvs.get(rid) if role is Role.RECEIVER else None
-                if handle is not None and not handle.cancelled_ns:
-                    handle.cancelled_ns = issued_ns
+                if handle is not None:
+                    if not handle.cancelled_ns:
+                        handle.cancelled_ns = issued_ns
+                    if ready is not None:  # rule 7a: the consumer may still be reading
+                        self._local_copy(rid, ready)
                 self.recorder.note(EV_CANCEL, rid, role.value)
                 if core is not None:
                     self._events.append((core, CancelRequested(rid)))
-            case Release(request_id=rid, issued_ns=issued_ns):
-                handle = self._recvs.get(rid)
-                if handle is not None:
-                    handle.released_ns = issued_ns
-                if self.receiver is not None:
-                    self._events.append((self.receiver, ReleaseRequested(rid)))
+            case Release(request_id=rid, issued_ns=issued_ns, ready=ready):
+                self._release(rid, issued_ns, ready)
             case LocalCopy(request_id=rid, token=token):
-                if self.receiver is not None:
-                    self._next_local += 1
-                    self._local_copies[self._next_local] = (rid, token)
-                    self._events.append((self.receiver, LocalCompletionPending(rid, self._next_local)))
+                if rid in self._recvs:
+                    self._local_copy(rid, token)
+                else:  # rule 7a: the session retired before the copy was declared
+                    self._late("late_local_copy", rid)
             case SetWatermark(epoch=epoch):
                 for core in self._cores():
                     self._events.append((core, WatermarkSet(epoch)))
@@ -395,7 +475,33 @@ class Driver:
             case _:
                 raise LocalProtocolError("unknown command", field="command", command=type(command).__name__)
 
-    def _open_receive(self, command: Receive, now: int) -> None:
+    def _release(self, rid: int, issued_ns: int, ready: Any) -> None:
+        """Rule 7a: release a delivered receive; a late release (retired, or concluded without
+        delivery by a racing cancel or timeout) is a counted no-op."""
+        handle = self._recvs.get(rid)
+        if handle is None or (handle.outcome.done() and handle.outcome.exception() is None
+                              and handle.outcome.result() is not Outcome.COMPLETED):
+            self._late("late_release", rid)
+            return
+        if not handle.released_ns:
+            handle.released_ns = issued_ns
+        if ready is not None:
+            self._local_copy(rid, ready)
+        self._events.append((self.receiver, ReleaseRequested(rid)))  # type: ignore[arg-type]
+
+    def _local_copy(self, rid: int, token: Any) -> None:
+        """A consumer's pending copy or read of a live receive: evidence retirement must wait for."""
+        if token.query():  # done already: nothing to wait for (module rule 8)
+            return
+        self._next_local += 1
+        self._local_copies[self._next_local] = (rid, token)
+        self._events.append((self.receiver, LocalCompletionPending(rid, self._next_local)))  # type: ignore[arg-type]
+
+    def _late(self, counter: str, rid: int) -> None:
+        self.stats[counter] += 1
+        self.recorder.record(counter, rid)
+
+    def _open_receive(self, command: Receive) -> None:
         rid, ticket = command.request_id, command.ticket
         if self.receiver is None or rid in self._recvs:
             ticket.future.set_exception(LocalProtocolError("request already has a live receive session here",
@@ -424,7 +530,7 @@ class Driver:
                 ticket.future.set_exception(AdmissionError(  # hook must report this cause, not a crash
                     "this rank is fail-stopping", request_id=rid, reason=str(exc)))
                 raise
-        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=now, on_done=command.on_done)
+        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=self._stamp(), on_done=command.on_done)
         self._recvs[rid] = handle
         ticket.future.set_result(handle)
         self.recorder.note(EV_OPEN_RECEIVE, rid, command.writers)
@@ -651,7 +757,7 @@ class Driver:
                 case Deliver(request_id=rid):
                     handle = self._recvs.get(rid)
                     if handle is not None:
-                        handle.landed_ns = self._now_ns
+                        handle.landed_ns = self._stamp()
                         handle.landed.set()
                 case Conclude():
                     self._conclude(core, action)
@@ -660,10 +766,11 @@ class Driver:
                 case ReleaseSource(request_id=rid):
                     state = self._sends.pop(rid, None)
                     self._pending_tokens.pop(rid, None)
+                    self._unpublished.pop(rid, None)
                     if state is not None:
                         if state.aux_slot >= 0:
                             self._aux_free.append(state.aux_slot)
-                        state.handle.released_ns = self._now_ns
+                        state.handle.released_ns = self._stamp()
                         _finish(state.handle, state.handle.released)
                 case AdmissionRefused():
                     self.stats["admission_refused"] += 1
@@ -688,6 +795,8 @@ class Driver:
             case Posted(handle=handle, nbytes=nbytes):
                 self._writes[action.op_id] = handle
                 self.stats["bytes_written"] += nbytes
+                if state is not None and not state.handle.posted_ns:
+                    state.handle.posted_ns = self._stamp()
                 self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
                 # One poll at once: a WRITE that completed inside the post (UCX cma copies there) is
                 # reported DONE in this step, not one step later (DONE from the post is the same proof).
@@ -726,7 +835,7 @@ class Driver:
             self.canaries.fill(handle.blocks)
         if handle.aux_slot >= 0:
             self._aux_free.append(handle.aux_slot)
-        handle.retired_ns = self._now_ns
+        handle.retired_ns = self._stamp()  # after the canary fill: the blocks are back from here on
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
@@ -735,6 +844,7 @@ class Driver:
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)
             self._pending_tokens.pop(action.request_id, None)
+            self._unpublished.pop(action.request_id, None)
             if state is not None:
                 if state.aux_slot >= 0:
                     self._aux_free.append(state.aux_slot)

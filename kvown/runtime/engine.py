@@ -6,8 +6,8 @@ the same driver without this thread.
 
 Rules:
   1. Single writer: only this thread calls ``driver.step``. API threads ``submit`` commands (which
-     also wakes a napping engine); the retirement watchdog reads the driver's pure state under
-     ``driver.lock``.
+     also wakes a napping engine) and read the driver's immutable ``view``; the retirement watchdog
+     reads the driver's pure state under ``driver.lock``.
   2. Nothing escapes the loop: an exception in ``step`` becomes FailStop(ENGINE_CRASH) whose detail
      and flight-recorder entry carry the full traceback, handed to the fail-stop executor at once.
      After any fail-stop the thread parks, keeping every root alive and touching nothing.
@@ -26,8 +26,10 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from kvown.core.actions import FailStop, FatalReason
-from kvown.runtime.commands import Call, Command, LiveRequests
+from kvown.runtime.commands import Call, Command, LiveRequests, ReceiveHandle
 from kvown.runtime.driver import Driver
+from kvown.runtime.statistics import Statistics
+from kvown.runtime.view import RankView
 
 
 class Engine:
@@ -57,6 +59,19 @@ class Engine:
     @property
     def pool(self) -> Any:
         return self.driver.pool
+
+    @property
+    def view(self) -> RankView:
+        """The rank's immutable view (peers, geometry, aux): what API threads validate against."""
+        return self.driver.view
+
+    def wait_view(self, predicate: Callable[[RankView], bool], timeout_s: float) -> tuple[bool, RankView]:
+        """Wait (bounded) for a view that satisfies ``predicate``. Called: any thread but the engine's."""
+        return self.driver.views.wait_until(predicate, timeout_s)
+
+    def read_aux(self, handle: ReceiveHandle) -> bytes:
+        """The aux payload of a landed receive (its slot is not reused before retirement)."""
+        return self.driver.read_aux(handle)
 
     @property
     def fatal(self) -> FailStop | None:
@@ -100,7 +115,7 @@ class Engine:
         with self.driver.lock:
             return self.driver.check_fatal(self.clock())
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> Statistics:
         return self.driver.statistics()
 
     # ---- the loop (engine thread) ---------------------------------------------------------------

@@ -29,34 +29,33 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Any]:
         stats = self.engine.statistics()
-        rank = str(stats["rank"])
+        rank = str(stats.rank)
         sessions = GaugeMetricFamily("kvown_sessions", "Live sessions by state", labels=["rank", "role", "state"])
         fences = GaugeMetricFamily("kvown_fences", "Fenced request ids", labels=["rank", "role"])
         deadline = GaugeMetricFamily("kvown_fail_stop_deadline_seconds", "Seconds to the nearest fail-stop deadline",
                                      labels=["rank", "role"])
-        for role in ("sender", "receiver"):
-            part = stats.get(role)
+        for role, part in (("sender", stats.sender), ("receiver", stats.receiver)):
             if part is None:
                 continue
-            for state, n in part.get("sessions_by_state", {}).items():
+            for state, n in part.sessions_by_state.items():
                 sessions.add_metric([rank, role, state], n)
-            fences.add_metric([rank, role], part["fences"])
-            if part.get("oldest_fail_stop_deadline_ns"):
-                deadline.add_metric([rank, role], (part["oldest_fail_stop_deadline_ns"] - time.monotonic_ns()) / 1e9)
+            fences.add_metric([rank, role], part.fences)
+            if part.oldest_fail_stop_deadline_ns:
+                deadline.add_metric([rank, role], (part.oldest_fail_stop_deadline_ns - time.monotonic_ns()) / 1e9)
         yield sessions
         yield fences
         yield deadline
         blocks = GaugeMetricFamily("kvown_pool_blocks", "Pool blocks by state", labels=["rank", "state"])
         for state in ("free", "owned", "held"):
-            blocks.add_metric([rank, state], stats["pool"][state])
+            blocks.add_metric([rank, state], getattr(stats.pool, state))
         yield blocks
-        acks = sum(len(w) for w in stats.get("receiver", {}).get("acks_pending", {}).values())
+        acks = sum(len(w) for w in stats.receiver.acks_pending.values()) if stats.receiver is not None else 0
         yield _gauge("kvown_acks_pending", "Unsettled published writers of committed sessions", rank, acks)
-        yield _gauge("kvown_writes_in_flight", "WRITE handles not yet DONE", rank, stats["writes_in_flight"])
-        yield _gauge("kvown_writes_in_doubt", "WRITE handles that reported ERROR", rank, stats["writes_in_doubt"])
-        yield _gauge("kvown_fatal", "1 once this rank latched a fail-stop", rank, 0 if stats["fatal"] is None else 1)
+        yield _gauge("kvown_writes_in_flight", "WRITE handles not yet DONE", rank, stats.writes_in_flight)
+        yield _gauge("kvown_writes_in_doubt", "WRITE handles that reported ERROR", rank, stats.writes_in_doubt)
+        yield _gauge("kvown_fatal", "1 once this rank latched a fail-stop", rank, 0 if stats.fatal is None else 1)
         events = CounterMetricFamily("kvown_events", "Engine counters", labels=["rank", "name"])
-        for name, n in sorted(stats["counters"].items()):
+        for name, n in sorted(stats.counters.items()):
             events.add_metric([rank, name], n)
         yield events
 

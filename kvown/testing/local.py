@@ -8,13 +8,12 @@ been the world kill, so a test can assert a fail-stop without dying.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from typing import Any
 
 from kvown.cache.layout import KVLayout
 from kvown.cache.space import BlockSpace
-from kvown.rank import LocalRank, RankRuntime, _launch, _roles, _start
+from kvown.rank import RankRuntime, connect_local
 from kvown.runtime.config import TransferConfig
 
 
@@ -37,28 +36,6 @@ def local_world(
     kill: Callable[[object, int], None] | None = None,
     memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
 ) -> dict[int, RankRuntime]:
-    """Start one runtime per rank in ``roles`` (e.g. ``{0: {"sender"}, 1: {"receiver"}}``), each with
-    kvown's own pool of ``layout`` on ``device``, or with the server memory ``memory[rank] = (space, on_returned)``.
-
-    Called: once per test. Stop each with ``rt.close()``.
-    """
-    config = config or TransferConfig()
-    key = secrets.token_bytes(32)
-    job = secrets.token_hex(4)
-    kill = kill if kill is not None else KillRecorder()
-    memory = memory or {}
-    built = {}
-    for rank, r in roles.items():
-        space, on_returned = memory.get(rank, (None, None))
-        built[rank] = LocalRank.build(rank, config, _roles(r), job=job, layout=None if space else layout,
-                                      device=device, memory=space, on_returned=on_returned)
-    for local in built.values():
-        local.bind_metrics()
-    out = {}
-    for rank, local in built.items():
-        peers = {r: other.transport.info for r, other in built.items() if r != rank}
-        local.transport.connect(peers)
-        out[rank] = _start(local, peers, key, None, kill=kill)
-    for rt in out.values():
-        _launch(rt)
-    return out
+    """``kvown.rank.connect_local`` with a ``KillRecorder`` as the default kill route (tests)."""
+    return connect_local(roles, layout=layout, device=device, config=config, kill=kill or KillRecorder(),
+                         memory=memory)

@@ -180,7 +180,7 @@ class _Rank:
         self.fatal: FailStop | None = None
         self.driver = Driver(rank=rank, peers=(), roles=frozenset({role}), transport=self.faulty, pool=self.pool,
                              aux=self.aux, key=JOB_KEY, config=config, recorder=self.recorder,
-                             on_fail_stop=self._on_fail_stop)
+                             on_fail_stop=self._on_fail_stop, clock=world.clock)
         self.engine = Engine(self.driver, fail_stop=self._on_fail_stop, clock=world.clock)  # never started
         self.api: Sender | Receiver | None = None
         self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
@@ -216,6 +216,7 @@ class SimWorld:
         for rank in self.ranks.values():
             peers = {r: other.transport.info for r, other in self.ranks.items() if r != rank.rank}
             rank.transport.connect(peers)
+            rank.driver.refresh_view()
             rank.api = (Sender if rank.role is Role.SENDER else Receiver)(rank.engine)
         self.dead: set[int] = set()
         self._queue: list[tuple[int, int, str, int | None, Callable[[], None]]] = []

@@ -77,7 +77,7 @@ def test_server_memory_transfers_byte_exact_and_comes_back_once(kind):
         ranks[1].receiver.release(rid)
         assert h.retired.wait(10) and hs.released.wait(10)
         assert rx.returned == [(rid, dst)]  # exactly once, exactly the lent blocks
-        assert ranks[1].engine.statistics()["pool"] == {"total": NUM_BLOCKS, "free": NUM_BLOCKS, "owned": 0,
+        assert ranks[1].engine.statistics().pool.to_dict() == {"total": NUM_BLOCKS, "free": NUM_BLOCKS, "owned": 0,
                                                         "held": 0}
     finally:
         close(ranks)
@@ -137,11 +137,11 @@ def test_a_cancelled_destination_goes_back_only_after_the_writer_quiesced():
         h = ranks[1].receiver.receive(rid, None, (0,), blocks=(1, 2))
         ranks[0].sender.send(rid, (3, 4))
         deadline = time.monotonic() + 5
-        while ranks[0].engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+        while ranks[0].engine.statistics().writes_in_flight == 0 and time.monotonic() < deadline:
             time.sleep(0.002)
         ranks[1].receiver.cancel(rid)
         time.sleep(0.1)
-        assert rx.returned == [] and ranks[1].engine.statistics()["pool"]["held"] == 2  # the WRITE is in flight
+        assert rx.returned == [] and ranks[1].engine.statistics().pool.held == 2  # the WRITE is in flight
         with pytest.raises(LocalProtocolError, match="two owners"):  # the server cannot lend them again yet
             ranks[1].receiver.receive(make_request_id(2, 5), None, (0,), blocks=(2,))
         assert h.retired.wait(10) and rx.returned == [(rid, (1, 2))]

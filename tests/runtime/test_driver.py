@@ -15,7 +15,8 @@ from kvown.cache.pool import KVPool
 from kvown.core.actions import FatalReason, Outcome
 from kvown.core.errors import LocalProtocolError
 from kvown.core.ids import make_request_id
-from kvown.runtime.commands import LiveRequests
+from kvown.adapters.cuda import HostReadyToken
+from kvown.runtime.commands import CloseStatus, LiveRequests, ReceivePhase, SendPhase
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.driver import Driver
 from kvown.runtime.engine import Engine
@@ -36,8 +37,10 @@ def _no_real_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 class Pair:
     """A sender rank and a receiver rank, each the production driver over one fabric."""
 
-    def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000) -> None:
+    def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000,
+                 clock=None) -> None:
         self.now = 0
+        clock = clock or (lambda: self.now)  # the engine's clock: API calls and handle stamps
         self.fabric = FakeFabric()
         self.fatal: dict[int, object] = {}
         self.drivers: dict[int, Driver] = {}
@@ -54,10 +57,11 @@ class Pair:
             self.drivers[rank] = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}),
                                         transport=transports[rank], pool=pool, aux=aux, key=KEY, config=config,
                                         recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
-                                        on_fail_stop=lambda a, r=rank: self.fatal.setdefault(r, a))
+                                        on_fail_stop=lambda a, r=rank: self.fatal.setdefault(r, a),
+                                        clock=clock)
         for rank, transport in transports.items():
             transport.connect({1 - rank: transports[1 - rank].info})
-        clock = lambda: self.now  # noqa: E731
+            self.drivers[rank].refresh_view()
         self.tx = Sender(Engine(self.drivers[TX], fail_stop=lambda a: None, clock=clock))
         self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=clock))
 
@@ -254,7 +258,7 @@ def test_a_write_that_never_completes_holds_back_no_other_session() -> None:
     p.run(lambda: h2.retired.is_set() and s2.released.is_set())
     assert h2.retired.is_set() and s2.released.is_set()
     assert not h1.landed.is_set() and not h1.retired.is_set()  # no report, no retirement: still claimed
-    assert p.drivers[TX].statistics()["writes_in_flight"] == 1 and not p.fatal
+    assert p.drivers[TX].statistics().writes_in_flight == 1 and not p.fatal
 
 
 @pytest.mark.timeout(30)
@@ -276,3 +280,195 @@ def test_release_and_cancel_times_count_from_the_callers_call_not_the_engine_ste
     p.now += 300
     p.run(ticket.future.result(0).retired.is_set)
     assert ticket.future.result(0).cancelled_ns == asked_ns
+
+
+# ---- issue 16: the embedding API (ready-gated release, late closes are no-ops, true clocks) ----------
+
+
+def _release_waits_for_the_token(p: Pair) -> bool:
+    """A release whose ready token completes late keeps the blocks out of the pool (and un-canaried)
+    until it completes; True if that held at every step."""
+    rid, handle, send = p.transfer(30)
+    token = HostReadyToken()  # the consumer's decode kernel still reads the blocks
+    assert p.rx.release(rid, ready=token).status is CloseStatus.QUEUED
+    pool = p.drivers[RX].pool
+    held = True
+    for _ in range(50):
+        p.run(steps=1)
+        held &= not handle.retired.is_set() and pool.statistics().free == LAYOUT.num_blocks - len(handle.blocks)
+    assert send.released.is_set()  # the writer is long quiescent: only the consumer's read holds the blocks
+    token.signal()
+    p.run(handle.retired.is_set)
+    assert handle.retired.is_set() and pool.statistics().free == LAYOUT.num_blocks
+    return held
+
+
+@pytest.mark.timeout(30)
+def test_a_release_waits_for_the_consumers_ready_token() -> None:
+    assert _release_waits_for_the_token(Pair())
+
+
+@pytest.mark.timeout(30)
+def test_a_release_that_ignores_its_token_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = Driver._release
+    monkeypatch.setattr(Driver, "_release", lambda self, rid, issued_ns, ready: original(self, rid, issued_ns, None))
+    assert not _release_waits_for_the_token(Pair())
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_of_a_landed_session_waits_for_its_token_too() -> None:
+    p = Pair()
+    rid, handle, _ = p.transfer(31)
+    token = HostReadyToken()
+    p.rx.cancel(rid, ready=token)  # a client abort while the decode kernel reads: the cancel releases
+    p.run(steps=50)
+    assert not handle.retired.is_set()
+    token.signal()
+    p.run(handle.retired.is_set)
+    assert handle.retired.is_set() and handle.outcome.result(0) is Outcome.COMPLETED
+
+
+def _late_closes(p: Pair) -> None:
+    """A cancel wins the race with the caller's release-on-landed: the release is a no-op."""
+    rid, handle, _ = p.transfer(32)
+    p.rx.cancel(rid)  # a client abort, just after the landing: it releases the session
+    p.run(handle.retired.is_set)
+    late = p.rx.release(rid)  # the caller releases on landed (the obvious code)
+    assert late.status is CloseStatus.ALREADY_RETIRED and late.outcome is Outcome.COMPLETED
+
+
+@pytest.mark.timeout(30)
+def test_a_release_that_lost_the_race_with_a_cancel_is_a_no_op() -> None:
+    p = Pair()
+    _late_closes(p)
+    assert not p.fatal and p.drivers[RX].stats["local_protocol_errors"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_every_close_after_the_first_says_what_happened() -> None:
+    p = Pair()
+    rid, handle, _ = p.transfer(35)
+    assert p.rx.cancel(rid).status is CloseStatus.QUEUED
+    assert p.rx.release(rid).status is CloseStatus.ALREADY_CLOSING  # queued behind the cancel: no-op
+    assert p.rx.status(rid).phase is ReceivePhase.CLOSING
+    p.run(handle.retired.is_set)
+    assert p.rx.cancel(rid).status is CloseStatus.ALREADY_RETIRED
+    assert p.rx.status(rid).phase is ReceivePhase.RETIRED
+    with pytest.raises(LocalProtocolError, match="no receive session") as err:
+        p.rx.release(make_request_id(1, 999))  # only an id never seen is an error
+    assert err.value.field == "request_id"
+    assert not p.fatal and p.drivers[RX].stats["local_protocol_errors"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_release_command_that_reaches_a_retired_session_is_a_counted_no_op() -> None:
+    """The engine side of the race: a Release already queued when the cancel retired the session."""
+    from kvown.runtime.commands import Release
+
+    p = Pair()
+    rid, handle, _ = p.transfer(33)
+    p.rx.cancel(rid)
+    p.run(handle.retired.is_set)
+    p.drivers[RX].submit(Release(rid, p.now))
+    p.run(steps=3)
+    stats = p.drivers[RX].statistics()
+    assert stats.counter("late_release") == 1 and stats.counter("local_protocol_errors") == 0 and not p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_the_race_check_catches_a_release_that_raises_when_it_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the API's old release, which refused an id with no live session."""
+    from kvown.api import Receiver as Rx
+    from kvown.runtime.commands import Release
+
+    def old_release(self, request_id, *, ready=None):
+        handle = self._live_handle(request_id, "release")  # raised for an id with no live session
+        handle.closing = True
+        self._engine.submit(Release(request_id, self._engine.clock()))
+
+    monkeypatch.setattr(Rx, "release", old_release)
+    with pytest.raises(LocalProtocolError, match="no live receive session"):
+        _late_closes(Pair())
+
+
+@pytest.mark.timeout(30)
+def test_send_status_walks_open_published_posted_released() -> None:
+    p = Pair()
+    rid = make_request_id(1, 34)
+    token = HostReadyToken()
+    send = p.tx.send(rid, (0, 1), ready=token)  # context-first: nobody published yet
+    p.run(steps=3)
+    assert p.tx.status(rid).phase is SendPhase.OPEN
+    ticket = p.rx.submit_receive(rid, 2, (TX,))
+    p.run(lambda: send.published_ns != 0)
+    assert p.tx.status(rid).phase is SendPhase.PUBLISHED and send.posted_ns == 0
+    token.signal()
+    p.run(lambda: send.released.is_set())
+    status = p.tx.status(rid)
+    assert status.phase is SendPhase.RELEASED and status.outcome is Outcome.COMPLETED
+    assert send.opened_ns <= send.published_ns <= send.posted_ns <= send.released_ns
+    handle = ticket.future.result(0)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+
+
+class _AdvancingClock:
+    """The engine's real clock moves on while a step runs: every read is later than the last, and later
+    than the step's own ``now_ns`` (which the engine read before the step began)."""
+
+    def __init__(self) -> None:
+        self.pair: Pair | None = None
+        self.reads = 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return (self.pair.now if self.pair is not None else 0) + self.reads
+
+
+def _handle_times_are_true(p: Pair) -> list[int]:
+    """Release and cancel queued after the step's clock was read (the mid-step case): every
+    latency read off the handles, ``retired_ns - released_ns`` and the rest; all must be >= 0."""
+    out = []
+    for seq in range(40, 46):
+        rid, handle, _ = p.transfer(seq)
+        p.rx.release(rid) if seq % 2 else p.rx.cancel(rid)
+        p.run(handle.retired.is_set)
+        start = handle.released_ns if seq % 2 else handle.cancelled_ns
+        out += [handle.retired_ns - start, handle.landed_ns - handle.opened_ns]
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_handle_times_are_the_events_own_even_for_a_command_taken_mid_step() -> None:
+    clock = _AdvancingClock()
+    p = Pair(clock=clock)
+    clock.pair = p
+    assert all(v >= 0 for v in _handle_times_are_true(p))
+
+
+@pytest.mark.timeout(30)
+def test_the_clock_check_catches_stamps_taken_from_the_steps_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the old stamps (the ``now_ns`` the engine read before the step) - negative latencies."""
+    clock = _AdvancingClock()
+    p = Pair(clock=clock)
+    clock.pair = p
+    for d in p.drivers.values():
+        d._stamp = lambda d=d: d._now_ns
+    assert any(v < 0 for v in _handle_times_are_true(p))
+
+
+@pytest.mark.timeout(30)
+def test_the_late_release_check_catches_a_driver_that_hands_it_to_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the driver passes a late Release to the core, which refuses it as an illegal input."""
+    from kvown.core.events import ReleaseRequested
+    from kvown.runtime.commands import Release
+
+    monkeypatch.setattr(Driver, "_release", lambda self, rid, issued_ns, ready: self._events.append(
+        (self.receiver, ReleaseRequested(rid))))
+    p = Pair()
+    rid, handle, _ = p.transfer(36)
+    p.rx.cancel(rid)
+    p.run(handle.retired.is_set)
+    p.drivers[RX].submit(Release(rid, p.now))
+    p.run(steps=3)
+    assert p.drivers[RX].statistics().counter("local_protocol_errors") == 1  # what the check above rules out

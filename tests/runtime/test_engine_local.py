@@ -40,7 +40,7 @@ def test_no_write_is_posted_before_the_producer_signals(pair):
     h = rx.receiver.receive(rid, 2, (0,))
     hs = tx.sender.send(rid, (3, 4), ready=token)
     time.sleep(0.2)  # plenty of engine iterations: REQUEST_DATA arrived, the session is open
-    assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
+    assert tx.engine.statistics().counter("bytes_written") == 0
     assert tx.engine.call(lambda d: len(d._writes)) == 0
     assert not h.landed.is_set()
     for j, b in enumerate((3, 4)):  # the "KV write" happens now, then the producer signals
@@ -79,17 +79,17 @@ def test_statistics_show_blocks_held_awaiting_proof(pair):
     h = rx.receiver.receive(rid, 3, (0,))
     tx.sender.send(rid, (1, 2, 5))
     deadline = time.monotonic() + 5
-    while tx.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+    while tx.engine.statistics().writes_in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.002)
     rx.receiver.cancel(rid)
     time.sleep(0.05)
     stats = rx.engine.statistics()
-    assert stats["receiver"]["sessions"] == 1
-    assert stats["receiver"]["acks_pending"] == {rid: [0]}
-    assert stats["receiver"]["blocks_awaiting_proof"] == 3
-    assert stats["receiver"]["oldest_fail_stop_deadline_ns"] is not None
+    assert stats.receiver is not None and stats.receiver.sessions == 1
+    assert stats.receiver.acks_pending == {rid: (0,)}
+    assert stats.receiver.blocks_awaiting_proof == 3
+    assert stats.receiver.oldest_fail_stop_deadline_ns is not None
     assert h.retired.wait(5)
-    assert rx.engine.statistics()["receiver"]["blocks_awaiting_proof"] == 0
+    assert rx.engine.statistics().receiver.blocks_awaiting_proof == 0
 
 
 @pytest.mark.timeout(60)
@@ -128,7 +128,7 @@ def test_prometheus_export_reads_the_live_state(pair):
     h = rx.receiver.receive(rid, 2, (0,))
     tx.sender.send(rid, (1, 2))
     deadline = time.monotonic() + 5
-    while tx.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < deadline:
+    while tx.engine.statistics().writes_in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.002)
     rx.receiver.cancel(rid)
     time.sleep(0.05)
@@ -171,7 +171,7 @@ def test_a_block_id_beyond_the_peer_pool_is_refused_not_posted(pair):
     tx.engine.call(lambda e: (e._events.append((e.sender, MessageReceived(Envelope(1, 0, 10**6, forged)))), e._pump()))
     assert hs.released.wait(5)
     assert hs.outcome.result(1) is Outcome.FAILED
-    assert tx.engine.statistics()["counters"].get("bytes_written", 0) == 0
+    assert tx.engine.statistics().counter("bytes_written") == 0
 
 
 @pytest.mark.timeout(60)

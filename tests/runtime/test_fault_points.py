@@ -85,11 +85,13 @@ class World:
                 config=config,
                 recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
                 on_fail_stop=lambda a: None,
+                clock=lambda: self.now,
             )
             driver.probe = faulty.probe
             self.drivers[rank] = driver
         for rank, transport in transports.items():
             transport.connect({1 - rank: transports[1 - rank].info})
+            self.drivers[rank].refresh_view()
         self.tx = Sender(Engine(self.drivers[TX], fail_stop=lambda a: None, clock=lambda: self.now))
         self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=lambda: self.now))
         self.handle = None

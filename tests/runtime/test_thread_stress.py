@@ -114,19 +114,19 @@ def stress(duration_s: float, seed: int = 0) -> dict[str, int]:
         t.join(30)
     deadline = time.monotonic() + 10  # let the last cancels drain: every block must come back
     while time.monotonic() < deadline:
-        if all(rt.engine.statistics()["pool"]["free"] == LAYOUT.num_blocks for r, rt in world.items()
+        if all(rt.engine.statistics().pool.free == LAYOUT.num_blocks for r, rt in world.items()
                if r in RECEIVERS):
             break
         time.sleep(0.05)
     stats = {r: rt.engine.statistics() for r, rt in world.items()}
     for rt in world.values():
         rt.close()
-    fatal = [f"rank {r}: {s['fatal']}" for r, s in stats.items() if s["fatal"] is not None]
+    fatal = [f"rank {r}: {s.fatal}" for r, s in stats.items() if s.fatal is not None]
     assert not errors, (errors[:3], fatal)
     counts["fail_stops"] = len(kill.calls)
-    counts["engine_crashes"] = sum(s["counters"].get("engine_crash", 0) for s in stats.values())
-    counts["fatal"] = sum(1 for s in stats.values() if s["fatal"] is not None)
-    counts["blocks_not_free"] = sum(s["pool"]["total"] - s["pool"]["free"] for r, s in stats.items() if r in RECEIVERS)
+    counts["engine_crashes"] = sum(s.counter("engine_crash") for s in stats.values())
+    counts["fatal"] = sum(1 for s in stats.values() if s.fatal is not None)
+    counts["blocks_not_free"] = sum(s.pool.total - s.pool.free for r, s in stats.items() if r in RECEIVERS)
     return counts
 
 

@@ -100,11 +100,13 @@ class Pair:
                                            roles=frozenset({role}), geometry_digest=layout.geometry_digest())
             self.drivers[rank] = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}),
                                         transport=transports[rank], pool=pool, aux=aux, key=b"cost-bench-key-0123456789",
-                                        config=config, recorder=FlightRecorder(rank), on_fail_stop=self._fatal)
+                                        config=config, recorder=FlightRecorder(rank), on_fail_stop=self._fatal,
+                                        clock=time.monotonic_ns)
             if not spec.batch:
                 self.drivers[rank].batch_frames = False
         for rank, transport in transports.items():
             transport.connect({1 - rank: transports[1 - rank].info})
+            self.drivers[rank].refresh_view()
         clock = time.monotonic_ns
         self.tx = Sender(Engine(self.drivers[0], fail_stop=self._fatal, clock=clock))
         self.rx = Receiver(Engine(self.drivers[1], fail_stop=self._fatal, clock=clock))

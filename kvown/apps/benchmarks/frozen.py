@@ -187,7 +187,7 @@ def rank_program(args: argparse.Namespace) -> int:
     os.kill(pids[FROZEN], signal.SIGSTOP)  # mid-transfer: frozen with claims open
     stuck.append(r)
     time.sleep(0.01)
-    deadline = rt.engine.statistics()["receiver"]["oldest_fail_stop_deadline_ns"]
+    deadline = rt.statistics().receiver.oldest_fail_stop_deadline_ns
     marker = {"deadline_ns": deadline, "stuck": stuck, "completed": completed, "frozen_pid": pids[FROZEN]}
     tmp = out / "frozen.json.tmp"
     tmp.write_text(json.dumps(marker))

@@ -359,8 +359,8 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
             if time.monotonic() > deadline:
                 raise BenchError("session phase past the run deadline")
     elif rank == RX:
-        receiver, pool = rt.receiver, rt.engine.pool.tensor
-        block = rt.engine.pool.layout.block_nbytes
+        receiver, pool = rt.receiver, rt.pool.tensor
+        block = rt.pool.layout.block_nbytes
         violations = 0
         for i, rid in enumerate(rids):
             for w in writers:
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         g = torch.Generator(device="cpu").manual_seed(args.seed + rank)
-        src = rt.engine.pool.tensor
+        src = rt.pool.tensor
         src.copy_(torch.randint(0, 255, (src.numel(),), generator=g, dtype=torch.uint8).to(src.device))
         src[src == CANARY] = 0
         raw.buf.fill_((rank * 37) % 251 + 1)
@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update(1)
         result["w3"] = comm.bcast({"points": rows} if rank == RX else None, root=RX)
 
-    stats = comm.gather(rt.engine.statistics(), root=RX)
+    stats = comm.gather(rt.statistics().to_dict(), root=RX)
     env = environment(args.seed) if rank == RX else None
     soft_barrier(comm, deadline)
     raw.close()

@@ -35,6 +35,7 @@ from kvown.apps.serve.kvlink import KVMemory, RecvHandle, SendHandle, TransferFa
 from kvown.cache.space import BlockSpace, Region
 from kvown.core.actions import Outcome
 from kvown.core.errors import KvownError, LocalProtocolError
+from kvown import SendPhase
 from kvown.rank import connect_registry
 from kvown.runtime.config import TransferConfig
 
@@ -118,11 +119,10 @@ class KvownLink:
         rank = self._rank_of(writer)
         if rank is None:
             raise TransferFailed("writer_unknown", writer=writer)
-        deadline = time.monotonic() + self._connect_timeout_s
-        while rank not in self.rt.driver.transport.peers:
-            if time.monotonic() >= deadline:
-                raise TransferFailed("writer_not_loaded", writer=writer, rank=rank)
-            time.sleep(0.01)
+        try:
+            self.rt.wait_for_peers((rank,), self._connect_timeout_s)
+        except KvownError:
+            raise TransferFailed("writer_not_loaded", writer=writer, rank=rank) from None
         return rank
 
     def _concluded(self, handle: RecvHandle, kv: Any, outcome: concurrent.futures.Future) -> None:
@@ -132,7 +132,7 @@ class KvownLink:
             handle.state = "landed"
             self.counters["landed"] += 1
             self.counters["bytes_in"] += len(kv.blocks) * self.memory.block_nbytes
-            handle.landed.set_result(self.rt.driver.read_aux(kv).rstrip(b"\0"))
+            handle.landed.set_result(self.rt.receiver.read_aux(kv).rstrip(b"\0"))
             return
         reason = "cancelled" if error is None and outcome.result() is Outcome.CANCELLED else "failed"
         self.counters["recv_cancelled" if reason == "cancelled" else "recv_failed"] += 1
@@ -185,12 +185,9 @@ class KvownLink:
         self._on_returned(handle.request_id, handle.blocks, outcome)
         handle.done.set_result(outcome)
 
-    def _exposed(self, request_id: int) -> bool:
-        """Pure read of the sender core under the driver's lock (the watchdog's way): published yet?"""
-        driver = self.rt.driver
-        with driver.lock:
-            session = driver.sender.sessions.get(request_id) if driver.sender is not None else None
-            return session is None or session.clock.exposed_ns is not None
+    def _published(self, request_id: int) -> bool:
+        """Has a decode server published to this send yet (or did it end already)?"""
+        return self.rt.sender.status(request_id).phase is not SendPhase.OPEN
 
     def abort_send(self, request_id: int) -> None:
         self.rt.sender.cancel(request_id)
@@ -202,7 +199,7 @@ class KvownLink:
                 now = time.monotonic()
                 while self._expiry and self._expiry[0][0] <= now:
                     _, rid = heapq.heappop(self._expiry)
-                    if rid in self._sends and not self._exposed(rid):
+                    if rid in self._sends and not self._published(rid):
                         self.counters["send_expired"] += 1
                         self.rt.sender.cancel(rid)
                 self._wake.wait(min(1.0, self._expiry[0][0] - now) if self._expiry else 1.0)
@@ -210,11 +207,11 @@ class KvownLink:
     # ---- both -----------------------------------------------------------------------------------
 
     def statistics(self) -> dict[str, int]:
-        stats = self.rt.engine.statistics()
+        stats = self.rt.statistics()
         with self._lock:
             sending = sum(len(h.blocks) for h in self._sends.values())
-        return {**self.counters, "owned": stats["pool"]["owned"], "held": stats["pool"]["held"], "sending": sending,
-                "protocol_errors": stats["counters"].get("rejected_frames", 0)}
+        return {**self.counters, "owned": stats.pool.owned, "held": stats.pool.held, "sending": sending,
+                "protocol_errors": stats.rejected_frames}
 
     def close(self) -> None:
         with self._lock:

@@ -114,7 +114,7 @@ def linkdown() -> None:
         for j, b in enumerate(blocks):
             fill_pattern(pool.block_view(b), rid, 0, j)
         rt.sender.send(rid, blocks)
-        while rt.engine.statistics()["writes_in_flight"] == 0 and time.monotonic() < END:
+        while rt.engine.statistics().writes_in_flight == 0 and time.monotonic() < END:
             time.sleep(0.001)
         write_json("writing.json", {"t_ns": time.monotonic_ns()})
         live_until_killed(5)
@@ -123,7 +123,7 @@ def linkdown() -> None:
         held = sorted(h.blocks)
         deadline = None
         while deadline is None and time.monotonic() < END:
-            deadline = rt.engine.statistics()["receiver"]["oldest_fail_stop_deadline_ns"]
+            deadline = rt.engine.statistics().receiver.oldest_fail_stop_deadline_ns
             time.sleep(0.001)
         write_json("deadline.json", {"request_id": rid, "deadline_ns": deadline, "blocks": held})
         timed_out_ns = deadline - int(args.grace_s * 1e9) if deadline else 0  # drain start (transfer timeout)
@@ -135,7 +135,7 @@ def linkdown() -> None:
             stats = rt.engine.statistics()
             entry = {
                 "t_ns": time.monotonic_ns(),
-                "pool": stats["pool"],
+                "pool": stats.pool.to_dict(),
                 "landed": h.landed.is_set(),
                 "retired": h.retired.is_set(),
             }
@@ -145,7 +145,7 @@ def linkdown() -> None:
                 and time.monotonic_ns() >= timed_out_ns + 200_000_000
             ):
                 probed = True
-                free, total = stats["pool"]["free"], stats["pool"]["total"]
+                free, total = stats.pool.free, stats.pool.total
                 if free == total:  # request L's blocks already count as free: nothing can be oversized
                     entry["oversized_request"] = "impossible: every block counts as free"
                 else:
@@ -155,7 +155,7 @@ def linkdown() -> None:
                     except PoolExhausted:
                         entry["oversized_request"] = "refused"
                 extra = rt.receiver.receive(
-                    make_request_id(5, 3), stats["pool"]["free"], (2 % comm.Get_size(),)
+                    make_request_id(5, 3), stats.pool.free, (2 % comm.Get_size(),)
                 )
                 entry["free_request_blocks"] = sorted(extra.blocks)
                 entry["overlap_with_held"] = sorted(set(extra.blocks) & set(held))
@@ -215,7 +215,7 @@ def sessions(count: int, guard=None) -> None:
                 raise RuntimeError(f"session {i} ended without proof")
         i += 1
     if rank == RX:
-        write_json("report.json", {"sessions": report, "pool": rt.engine.statistics()["pool"]})
+        write_json("report.json", {"sessions": report, "pool": rt.engine.statistics().pool.to_dict()})
     if guard is not None:
         guard.mark_completed()
 

@@ -253,7 +253,7 @@ wait_for(barrier.Test, "the end barrier")  # every rank is done: the counts belo
 counts = rt.engine.call(lambda d: {e.name.removeprefix("crash-"): e.seen for e in d.transport.plan.values()})
 stats = rt.engine.statistics()
 write_json(
-    f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats["pool"], engine=stats["counters"], **result
+    f"rank{rank}.end.json", rank=rank, counts=counts, pool=stats.pool.to_dict(), engine=dict(stats.counters), **result
 )
 if rank == RX:  # a world that ends normally leaves the receiver's recorder too (proof check, lost frames)
     (OUT_DIR / "end").mkdir(exist_ok=True)

@@ -104,7 +104,7 @@ elif SCENARIO == "bad-input":
     results: dict[str, str] = {}
 
     def expect(name: str, call) -> None:  # type: ignore[no-untyped-def]
-        before = rt.engine.statistics()["pool"]
+        before = rt.engine.statistics().pool
         try:
             call()
             results[name] = "ACCEPTED"
@@ -112,7 +112,7 @@ elif SCENARIO == "bad-input":
             results[name] = f"{type(exc).__name__}:{getattr(exc, 'field', '')}"
         except Exception as exc:  # noqa: BLE001 - an untyped error is a failure of the matrix
             results[name] = f"UNTYPED {type(exc).__name__}: {exc}"
-        if rt.engine.statistics()["pool"] != before:
+        if rt.engine.statistics().pool != before:
             results[name] += " POOL_CHANGED"
 
     class NoQuery:
@@ -141,7 +141,7 @@ elif SCENARIO == "bad-input":
         retired = h.retired.wait(10)
         stats = rt.engine.statistics()
         report(results=results, landed=landed, retired=retired, outcome=h.outcome.result(5).value,
-               pool=stats["pool"], crashes=stats["counters"].get("local_protocol_errors", 0))
+               pool=stats.pool.to_dict(), crashes=stats.counter("local_protocol_errors"))
     else:
         tx = rt.sender
         expect("src_blocks_empty", lambda: tx.send(make_request_id(9, 30), ()))
@@ -155,7 +155,7 @@ elif SCENARIO == "bad-input":
         h = tx.send(good, (3, 4), ready=token)
         expect("duplicate_send", lambda: tx.send(good, (5, 6)))
         time.sleep(0.2)
-        written_before_ready = rt.engine.statistics()["counters"].get("bytes_written", 0)
+        written_before_ready = rt.engine.statistics().counter("bytes_written")
         token.signal()
         released = h.released.wait(10)
         report(results=results, released=released, outcome=h.outcome.result(5).value,
