@@ -218,7 +218,7 @@ class RankRuntime:
     def flight_dump(self, path_or_dir: str | None = None, reason: str = "requested") -> str:
         """Write this rank's flight recorder now (e.g. for ``kvown inspect``); returns the file's path.
         Called: any thread; the rank keeps running."""
-        return str(self.driver.recorder.dump(directory, reason, include_stacks=False))
+        return str(self.driver.recorder.dump(path_or_dir, reason, include_stacks=False))
 
     def add_peers(self, peers: dict[int, PeerInfo], timeout_s: float = 10.0) -> None:
         """Load ranks that joined after start-up (worlds whose members come and go: the registry).
@@ -359,6 +359,7 @@ def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: Qual
                     on_fail_stop=executor.request, clock=time.monotonic_ns, lock=lock)
     if config.fault is not None:
         driver.probe = transport.probe  # the crash point inside a retirement (driver rule 8)
+    recorder.state_source = driver.open_sessions  # the post-mortem's "what was open" (flight rule 3)
     engine = Engine(driver, fail_stop=executor.request)
     watchdog = RetirementWatchdog(driver, lock, executor)
     local.stats_source = engine

@@ -506,6 +506,21 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _mark_fatal(self, s: ReceiveSession) -> None:
         s.state = RxState.FATAL
 
+    def open_sessions(self) -> list[dict[str, object]]:
+        """Pure: every live session as plain values, for post-mortems (the flight recorder's dump). Reads
+        a copy of the table, so a reader on another thread sees some recent state, never an error."""
+        out: list[dict[str, object]] = []
+        for rid, s in list(self.sessions.items()):
+            writers = [{"rank": w.rank, "slice": w.slice_index, "settled": w.settled, "acked": w.acked,
+                        "stream_ended": w.stream_ended, "in_doubt": sorted(map(list, w.in_doubt)),
+                        "cancel_sent": w.cancel_sent} for w in list(s.writers.values())]
+            out.append({"role": "receiver", "request_id": rid, "state": s.state.value,
+                        "outcome": None if s.outcome is None else s.outcome.value, "reason": s.reason,
+                        "writers": writers, "missing": s.claims(), "opened_ns": s.clock.exposed_ns,
+                        "drain_started_ns": s.clock.drain_started_ns, "drain_reason": s.clock.drain_reason,
+                        "fatal_deadline_ns": self._fatal_deadline_ns(s)})
+        return out
+
     def _state_name(self, s: ReceiveSession) -> str:
         return s.state.value
 

@@ -525,6 +525,21 @@ class SenderCore(RankCore[SendSession]):
     def _state_name(self, s: SendSession) -> str:
         return "open" if s.outcome is None else "draining"
 
+    def open_sessions(self) -> list[dict[str, object]]:
+        """Pure: every live session as plain values, for post-mortems (see ``ReceiverCore.open_sessions``)."""
+        out: list[dict[str, object]] = []
+        for rid, s in list(self.sessions.items()):
+            live = [f"op {op.op_id} {op.kind.value} piece {op.piece} {op.state.value} -> rank {op.receiver_rank}"
+                    for op in s.live_ops()]
+            out.append({"role": "sender", "request_id": rid, "state": self._state_name(s),
+                        "outcome": None if s.outcome is None else s.outcome.value, "reason": s.reason,
+                        "writers": [{"rank": r, "acked": st.acked, "quiesce_requested": st.quiesce_requested,
+                                     "reported_all": st.reported_all} for r, st in list(s.streams.items())],
+                        "missing": live, "opened_ns": s.clock.exposed_ns,
+                        "drain_started_ns": s.clock.drain_started_ns, "drain_reason": s.clock.drain_reason,
+                        "fatal_deadline_ns": self._fatal_deadline_ns(s)})
+        return out
+
     def saved_publications(self) -> int:
         """Pure: publications waiting for a session that has not opened yet (for audits)."""
         return len(self._saved)

@@ -144,6 +144,7 @@ EV_POST = event_code("post", "op", "dst", "carried")
 EV_OPEN_SEND = event_code("open_send", "pieces")
 EV_OPEN_RECEIVE = event_code("open_receive", "writers")
 EV_CANCEL = event_code("cancel", "role")
+EV_RELEASE = event_code("release", "ready_token")
 EV_CONCLUDE = event_code("conclude", "outcome", "reason")
 EV_RETIRE = event_code("retire", "blocks")
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
@@ -309,6 +310,14 @@ class Driver:
             free_blocks=self.pool.statistics().free,
             canary_broken=tuple((b.block, b.epoch, b.offset) for b in broken),
         )
+
+    def open_sessions(self) -> list[dict[str, Any]]:
+        """Every live session of both cores as plain values (the flight recorder's post-mortem). Pure; safe
+        from the dump thread while the engine is parked, and it never raises for a table changing."""
+        out: list[dict[str, Any]] = []
+        for core in self._core_list:
+            out += core.open_sessions()  # type: ignore[attr-defined]
+        return out
 
     @staticmethod
     def _role_figures(core: RankCore) -> dict[str, Any]:
@@ -485,6 +494,7 @@ class Driver:
             return
         if not handle.released_ns:
             handle.released_ns = issued_ns
+        self.recorder.note(EV_RELEASE, rid, ready is not None)
         if ready is not None:
             self._local_copy(rid, ready)
         self._events.append((self.receiver, ReleaseRequested(rid)))  # type: ignore[arg-type]

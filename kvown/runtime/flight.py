@@ -13,8 +13,10 @@ Rules:
   2. ``dump`` never uses ``logging`` (the fail-stop path may run while a logger is wedged) and takes
      no lock that recording holds: it copies the ring (one C-level list copy under the GIL) and
      formats the copy.
-  3. The dump is written in order header, events (oldest first), stacks, so a dump cut short by the
-     kill still starts with the reason.
+  3. The dump is written in order header, open sessions, events (oldest first), stacks, so a dump cut
+     short by the kill still starts with the reason and what was left unproven. The open sessions
+     come from ``state_source`` (the driver's ``open_sessions``, a pure read that copes with a table
+     changing under it); a failure there is written as one line and never stops the dump.
   4. Stacks are read through ``current_frames``, never ``sys._current_frames`` directly: on CPython
      3.11 a garbage collection that starts inside that call can deadlock the whole process with the
      GIL held (see ``current_frames``), and a dump runs on the fatal path.
@@ -27,6 +29,8 @@ Invariants:
 File format (one JSON object per line):
   {"type": "header", "rank", "pid", "reason", "request_id", "detail", "wall_time_s", "mono_ns",
    "capacity", "dropped"}
+  {"type": "open_session", "role", "request_id", "state", "outcome", "writers": [...], "missing": [...],
+   "opened_ns", "drain_started_ns", "drain_reason", "fatal_deadline_ns"}                 (one per session)
   {"type": "event", "t_ns", "kind", "request_id", "detail": {...}}       t_ns is ``time.monotonic_ns``
   {"type": "stack", "thread_id", "thread_name", "daemon", "frames": ["file:line in func", ...]}
 """
@@ -152,6 +156,7 @@ class FlightRecorder:
         self._ring: list[Any] = [None] * capacity  # slot i % capacity holds event number i
         self._count = itertools.count()
         self._last = -1  # number of the newest event: a hint for ``events_since`` (racy across threads)
+        self.state_source: Callable[[], list[dict[str, Any]]] | None = None  # rule 3: open sessions
 
     def note(self, code: int, request_id: int | None, a: Any = None, b: Any = None, c: Any = None,
              d: Any = None) -> None:
@@ -239,6 +244,8 @@ class FlightRecorder:
         }
         with open(target, "w", encoding="utf-8") as f:
             f.write(json.dumps(header) + "\n")
+            for line in self._open_sessions():
+                f.write(json.dumps(line, default=repr) + "\n")
             for t_ns, kind, rid, det in self.events():
                 line = {"type": "event", "t_ns": t_ns, "kind": kind, "request_id": rid, "detail": det}
                 f.write(json.dumps(line, default=repr) + "\n")
@@ -246,6 +253,15 @@ class FlightRecorder:
                 for stack in thread_stacks():
                     f.write(json.dumps(stack, default=repr) + "\n")
         return target
+
+
+    def _open_sessions(self) -> list[dict[str, Any]]:
+        if self.state_source is None:
+            return []
+        try:
+            return [{"type": "open_session", **s} for s in self.state_source()]
+        except Exception as exc:  # noqa: BLE001 - rule 3: the dump goes on
+            return [{"type": "open_session_error", "error": repr(exc)}]
 
 
 def read_flight_file(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -164,3 +164,45 @@ def test_inspect_tolerates_a_dump_cut_short_and_rejects_junk(tmp_path, capsys) -
     assert inspect_main([str(tmp_path / "missing.jsonl")]) == 2
     assert inspect_main([]) == 2
     assert "not a readable flight recorder dump" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_inspect_of_a_stalled_writer_reads_as_a_post_mortem(tmp_path, capsys) -> None:
+    """A real rank pair whose WRITE never completes, cancelled, then dumped: the report opens with the
+    open session, its writer and the missing proof, then lists the events oldest first."""
+    import time
+
+    from kvown import KVLayout, TransferConfig, make_request_id
+    from kvown.testing.local import KillRecorder, local_world
+
+    layout = KVLayout.standard(num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=8,
+                               dtype="uint8")
+    world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=layout, kill=KillRecorder(),
+                        config=TransferConfig(fault="", transfer_timeout_s=30.0))
+    try:
+        tx, rx = world[0], world[1]
+        rid = make_request_id(2, 7)
+        tx.inject_fault("stuck-writer:nth=1")
+        h = rx.receiver.receive(rid, 1, (0,))
+        tx.sender.send(rid, (3,))
+        deadline = time.monotonic() + 10
+        while tx.statistics().writes_in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rx.receiver.cancel(rid)
+        time.sleep(0.2)
+        assert not h.retired.is_set()  # the stuck WRITE holds it
+        path = rx.flight_dump(str(tmp_path), reason="operator")
+    finally:
+        for rt in world.values():
+            rt.close()
+    assert inspect_main([path]) == 0
+    out = capsys.readouterr().out
+    summary, _, events = out.partition("\nevents: ")
+    assert "open at the dump: 1 session(s)" in summary and f"req {rid}" in summary
+    assert "outcome cancelled" in summary and "missing proof: writer 0" in summary
+    assert "rank 0 (cancel sent)" in summary and "last event" in summary and "draining" in summary
+    ages = [float(line.split(" ms ")[0].replace("-", "")) for line in events.splitlines()[1:] if " ms  req " in line]
+    assert len(ages) >= 4 and ages == sorted(ages, reverse=True)  # oldest first: ages shrink down the list
+    assert inspect_main(["--json", path]) == 0
+    report = json.loads(capsys.readouterr().out)[0]
+    assert report["open_sessions_from"] == "cores" and report["open_sessions"][0]["missing"] == ["writer 0"]
