@@ -132,12 +132,15 @@ class Sender:
         num_receivers: int = 1,
         aux: bytes | None = None,
         on_done: Callable[[SendHandle], None] | None = None,
+        dst_suffix: bool = False,
     ) -> SendHandle:
         """Open a send session: write ``src_blocks`` to whoever publishes ``request_id``.
 
         ``ready`` is the write-ready token (``WriteTracker.record()``) of the KV write, one per piece or
         one for all; no WRITE is posted before it reports ready. Generation-first (the receiver
-        published already) and context-first (it publishes later) both work.
+        published already) and context-first (it publishes later) both work. ``dst_suffix=True`` (one
+        piece): a receiver that already holds a prefix of the KV (a prefix-cache hit) may publish only
+        the blocks it lacks; they get the LAST that many source blocks (the same token blocks).
         Ownership: ``src_blocks`` must not be reused until ``handle.released`` is set; ``on_done(handle)``
         is then called once, on the engine thread (quick, thread-safe, must not raise: a server's
         allocator hand-back).
@@ -163,10 +166,13 @@ class Sender:
                                          max_nbytes=view.aux_slot_nbytes)
             aux = bytes(aux)
         _check_callback(on_done)
+        if not isinstance(dst_suffix, bool) or (dst_suffix and num_pieces != 1):
+            raise LocalProtocolError("dst_suffix is True or False, and needs num_pieces=1", field="dst_suffix",
+                                     value=dst_suffix, num_pieces=num_pieces)
         _check_open(engine, request_id)
         handle = SendHandle(request_id, on_done=on_done)
         engine.live.claim(Role.SENDER, request_id, handle)
-        engine.submit(Send(request_id, blocks, tuple(tokens), num_receivers, aux, handle))
+        engine.submit(Send(request_id, blocks, tuple(tokens), num_receivers, aux, handle, dst_suffix))
         return handle
 
     def cancel(self, request_id: int) -> CloseResult:
@@ -291,16 +297,19 @@ class Receiver:
         engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket, lent, on_done))
         return ticket
 
-    def cancel(self, request_id: int, *, ready: Any = None) -> CloseResult:
+    def cancel(self, request_id: int, *, ready: Any = None, writers: Sequence[int] = ()) -> CloseResult:
         """Cancel at any point; blocks retire once every published writer has quiesced.
 
         Any valid id is accepted (one with no session yet is fenced: a later receive is born
-        cancelled). A landed session is thereby released: pass ``ready`` (the token recorded after the
-        consumer's last read, as for ``release``) if a read may still be in flight. A session that
-        already retired is a no-op (rule 5).
+        cancelled). ``writers``: for an id with no session here, writers to tell as well, so one that
+        holds source blocks for a publication that will now never come releases them at once (a host
+        that decided to compute the KV itself). A landed session is thereby released: pass ``ready``
+        (the token recorded after the consumer's last read, as for ``release``) if a read may still be
+        in flight. A session that already retired is a no-op (rule 5).
         """
         rid = _check_rid(request_id)
         token = _token(ready, "ready")
+        notify = _writers(writers, self._engine.view) if writers else ()
         entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
         if closed is not None:
             return closed
@@ -309,7 +318,7 @@ class Receiver:
             if handle.closing:
                 return CloseResult(rid, CloseStatus.ALREADY_CLOSING, handle.result())
             handle.closing = True
-        self._engine.submit(Cancel(Role.RECEIVER, rid, self._engine.clock(), token))
+        self._engine.submit(Cancel(Role.RECEIVER, rid, self._engine.clock(), token, notify))
         return CloseResult(rid, CloseStatus.QUEUED, None if handle is None else handle.result())
 
     def release(self, request_id: int, *, ready: Any = None) -> CloseResult:

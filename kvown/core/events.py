@@ -67,6 +67,9 @@ class CancelRequested(Event):
 
     request_id: int
     origin: CancelOrigin = CancelOrigin.CLIENT
+    # Receiver only: writers to tell even though nothing was published to them (a request that will
+    # never be published here - a host that computed the KV itself - so they release what they hold).
+    notify: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,9 @@ class OpenSend(Event):
     src_blocks: tuple[int, ...]
     num_pieces: int = 1
     num_receivers: int = 1
+    # A receiver may publish fewer blocks than the source: it holds the prefix already (a prefix-cache
+    # hit), so the WRITE covers the LAST len(dst_blocks) source blocks. One piece only.
+    dst_suffix: bool = False
 
 
 @dataclass(frozen=True, slots=True)

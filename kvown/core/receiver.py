@@ -42,7 +42,10 @@ Rules:
      finished at once, while the report may still be on its way). It is counted (``stale_carried``)
      and changes nothing. On the ordered stream a result after the ack stays invalid evidence (rule 1).
   5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
-     number), to every published writer not yet settled, once.
+     number), to every published writer not yet settled, once. The one exception carries no claim:
+     a cancel of a request with no session here that names writers (``CancelRequested.notify``)
+     tells each of them, so a writer holding source blocks for a publication that will never come
+     releases them at once; their acknowledgements arrive for no session and are counted stale.
   6. Every open claim has a fail-stop deadline, and the deadline heap holds it after every input:
      writer claims and disputes use the session's retirement clock (request deadline + grace, or
      drain start + grace); each local completion has its own clock, started when it was queued
@@ -324,6 +327,10 @@ class ReceiverCore(RankCore[ReceiveSession]):
         self.fence.install(rid, event.origin)
         if rid in self.sessions:
             self._route(rid, RxInput.CANCEL, (event, now_ns), actions, peer=False)
+            return
+        for writer in dict.fromkeys(event.notify):  # rule 5's exception: nothing was published to them
+            if writer != self.config.rank:  # the API checked each is a loaded sender rank
+                actions.append(SendControl(writer, CancelSession(rid, self.config.rank)))
 
     def _on_cancel(self, s: ReceiveSession, event: CancelRequested, now_ns: int, actions: list[Action]) -> None:
         self._commit(s, Outcome.CANCELLED, f"cancelled ({event.origin.name.lower()})", now_ns, actions)

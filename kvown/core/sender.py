@@ -27,6 +27,11 @@ Rules:
      session's - is answered at once with a final FAILED result (nothing was posted), never dropped
      silently: the receiver must not wait out its timeout for a writer that already knows.
   5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
+  4a. A session opened with ``dst_suffix`` (one piece) also serves a publication of FEWER blocks
+     than its source: that receiver holds the prefix already (a prefix-cache hit), and the WRITE
+     covers the last ``len(dst_blocks)`` source blocks, so block i of the destination always gets
+     the KV of the same token block as source block ``len(src) - len(dst) + i``. Never more blocks
+     than the source: that publication is answered FAILED (rule 4).
   6. Carried results (``carry_results``). When a stream has exactly one operation, its PostWrite
      carries that stream's whole report - ``KV_RESULT``/``AUX_RESULT`` SUCCESS with ``is_last`` - and
      the driver hands it to NIXL as the WRITE's notification. NIXL sends a WRITE's notification only
@@ -182,6 +187,7 @@ class SendSession:
     streams: dict[int, _Stream] = field(default_factory=dict)
     outcome: Outcome | None = None
     reason: str = ""
+    dst_suffix: bool = False  # rule 4a
 
     def piece_blocks(self, piece: int) -> slice:
         n = len(self.src_blocks)
@@ -246,6 +252,8 @@ class SenderCore(RankCore[SendSession]):
             raise LocalProtocolError("request already has a live send session", field="request_id", request_id=rid)
         if not event.src_blocks or not (1 <= event.num_pieces <= len(event.src_blocks)):
             raise LocalProtocolError("need 1 <= num_pieces <= len(src_blocks)", field="num_pieces")
+        if event.dst_suffix and event.num_pieces != 1:
+            raise LocalProtocolError("dst_suffix needs a single piece", field="dst_suffix")
         if event.num_receivers < 1:
             raise LocalProtocolError("need at least one receiver", field="num_receivers")
         if not self._admissible(rid):
@@ -258,7 +266,7 @@ class SenderCore(RankCore[SendSession]):
             return
         session = SendSession(
             rid, event.src_blocks, event.num_pieces, event.num_receivers,
-            RetirementClock(self.config.timeout_ns, self.config.grace_ns),
+            RetirementClock(self.config.timeout_ns, self.config.grace_ns), dst_suffix=event.dst_suffix,
         )
         self.sessions[rid] = session
         for src, request in self._saved.pop(rid, {}).items():
@@ -280,11 +288,10 @@ class SenderCore(RankCore[SendSession]):
         if session is not None:
             if src in session.streams:
                 raise PeerProtocolError("second REQUEST_DATA on one stream", field="request_id", request_id=rid)
-            if not self._fits(session, request):
-                raise PeerProtocolError(
-                    "destination and source block counts differ", field="dst_blocks",
-                    got=len(request.dst_blocks), want=len(session.src_blocks),
-                )
+            if not self._fits(session, request):  # rule 4: it can never be served; say so at once
+                self._count("invalid_publications")
+                actions.append(SendControl(src, _declined(self.config.rank, rid)))
+                return
             self._attach(session, request, src, now_ns, actions)
         elif self.fence.is_fenced(rid):  # fenced and no session: refuse the whole stream at once
             actions.append(SendControl(src, _declined(self.config.rank, rid)))
@@ -297,8 +304,10 @@ class SenderCore(RankCore[SendSession]):
 
     @staticmethod
     def _fits(s: SendSession, request: RequestData) -> bool:
-        """A publication names one destination block per source block of the session."""
-        return len(request.dst_blocks) == len(s.src_blocks)
+        """A publication names one destination block per source block of the session, or (rule 4a) one
+        per block of a suffix of it."""
+        n = len(request.dst_blocks)
+        return n == len(s.src_blocks) or (s.dst_suffix and 1 <= n < len(s.src_blocks))
 
     def _attach(self, s: SendSession, request: RequestData, src: int, now_ns: int, actions: list[Action]) -> None:
         kinds = [(p, PieceKind.KV) for p in range(s.num_pieces)]
@@ -350,7 +359,7 @@ class SenderCore(RankCore[SendSession]):
         self._schedule(s.request_id, s)
 
     def _post_action(self, s: SendSession, request: RequestData, op: Operation) -> PostWrite:
-        if len(request.dst_blocks) != len(s.src_blocks):  # every attach path checked this (rule 4)
+        if not self._fits(s, request):  # every attach path checked this (rule 4)
             raise InvariantViolation("PostWrite with a destination of another length", request_id=s.request_id,
                                      src=len(s.src_blocks), dst=len(request.dst_blocks))
         result = None
@@ -360,9 +369,14 @@ class SenderCore(RankCore[SendSession]):
         if op.kind is PieceKind.AUX:
             return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, (), (),
                              request.slice_index, request.num_slices, request.aux_slot, result)
-        span = s.piece_blocks(op.piece)
-        return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, s.src_blocks[span],
-                         request.dst_blocks[span], request.slice_index, request.num_slices, -1, result)
+        skip = len(s.src_blocks) - len(request.dst_blocks)  # rule 4a: 0 unless the receiver holds a prefix
+        if skip:
+            src, dst = s.src_blocks[skip:], request.dst_blocks
+        else:
+            span = s.piece_blocks(op.piece)
+            src, dst = s.src_blocks[span], request.dst_blocks[span]
+        return PostWrite(op.op_id, s.request_id, op.receiver_rank, op.piece, op.kind, src, dst,
+                         request.slice_index, request.num_slices, -1, result)
 
     def _carries(self, s: SendSession, op: Operation) -> bool:
         """Rule 6 guard: only the one operation of a single-operation stream carries its report."""

@@ -326,6 +326,7 @@ class Send(Command):
     num_receivers: int
     aux: bytes | None
     handle: SendHandle
+    dst_suffix: bool = False  # sender rule 4a: a receiver may publish a suffix of the source blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +347,7 @@ class Cancel(Command):
     request_id: int
     issued_ns: int  # the engine clock when the caller asked: cancel -> retired counts from here
     ready: Any = None  # receive side: the consumer's ready token (as for ``Release``)
+    notify: tuple[int, ...] = ()  # receive side: writers to tell though nothing was published to them
 
 
 @dataclass(frozen=True, slots=True)

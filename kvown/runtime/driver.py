@@ -446,7 +446,7 @@ class Driver:
                 self._unpublished[rid] = command.handle
                 self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
                 self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
-                                                            command.num_receivers)))
+                                                            command.num_receivers, command.dst_suffix)))
                 self._report_ready(rid, state)  # rule 8: a token ready now is never polled
                 if any(t is not None for t in state.tokens):
                     self._pending_tokens[rid] = state
@@ -455,7 +455,7 @@ class Driver:
                     self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
                     return
                 self._open_receive(command)
-            case Cancel(role=role, request_id=rid, issued_ns=issued_ns, ready=ready):
+            case Cancel(role=role, request_id=rid, issued_ns=issued_ns, ready=ready, notify=notify):
                 core = self.sender if role is Role.SENDER else self.receiver
                 handle = self._recvs.get(rid) if role is Role.RECEIVER else None
                 if handle is not None:
@@ -465,7 +465,7 @@ class Driver:
                         self._local_copy(rid, ready)
                 self.recorder.note(EV_CANCEL, rid, role.value)
                 if core is not None:
-                    self._events.append((core, CancelRequested(rid)))
+                    self._events.append((core, CancelRequested(rid, notify=notify)))
             case Release(request_id=rid, issued_ns=issued_ns, ready=ready):
                 self._release(rid, issued_ns, ready)
             case LocalCopy(request_id=rid, token=token):

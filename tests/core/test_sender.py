@@ -44,7 +44,6 @@ def _attached(nblocks=2, pieces=1):
 BAD_PUBLICATIONS = [
     ("receiver_rank differs from the stream", RX + 1, _rd(1), "receiver_rank"),
     ("slice_index >= num_slices", RX, _rd(1, slice_index=2, num_slices=2), "slice_index"),
-    ("block count differs", RX, _rd(1, blocks=(1, 2, 3)), "dst_blocks"),
 ]
 
 
@@ -59,6 +58,20 @@ def test_bad_publications_are_refused_without_change(case, src, publication, fie
     with pytest.raises(PeerProtocolError) as info:
         s.handle(msg(src, 1, publication), 1)
     assert info.value.field == field and repr(s.sessions[1]) == before
+
+
+@pytest.mark.timeout(10)
+def test_a_publication_of_another_block_count_is_answered_failed_at_once() -> None:
+    """Rule 4: it can never be served, so the receiver hears so now instead of at its timeout; the
+    session itself is unchanged."""
+    from kvown.core.messages import KvResult, ResultStatus
+
+    s = sender()
+    s.handle(OpenSend(1, (0, 1)), 0)
+    before = repr(s.sessions[1])
+    out = s.handle(msg(RX, 1, _rd(1, blocks=(1, 2, 3))), 1)
+    assert [(a.dst_rank, a.message) for a in out] == [(RX, KvResult(1, 1, 0, True, ResultStatus.FAILED, 0))]
+    assert repr(s.sessions[1]) == before and s.counters["invalid_publications"] == 1
 
 
 @pytest.mark.timeout(10)

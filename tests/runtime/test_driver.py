@@ -472,3 +472,75 @@ def test_the_late_release_check_catches_a_driver_that_hands_it_to_the_core(monke
     p.drivers[RX].submit(Release(rid, p.now))
     p.run(steps=3)
     assert p.drivers[RX].statistics().counter("local_protocol_errors") == 1  # what the check above rules out
+
+
+# ---- prefix-cache hits and publications that will never come (the vLLM connector's needs) -----------
+
+
+def _suffix_transfer(p: Pair, *, dst_suffix: bool):
+    """The receiver already holds the first 2 of 4 token blocks (a prefix-cache hit): it publishes 2."""
+    rid = make_request_id(1, 50)
+    src = (4, 5, 6, 7)
+    tx_pool, rx_pool = p.drivers[TX].pool, p.drivers[RX].pool
+    for i, b in enumerate(src):
+        tx_pool.block_view(b).fill_(0x10 + i)
+    send = p.tx.send(rid, src, dst_suffix=dst_suffix)
+    ticket = p.rx.submit_receive(rid, 2, (TX,))
+    p.run(ticket.future.done, steps=5)
+    handle = ticket.future.result(0)
+    p.run(lambda: handle.outcome.done() and send.released.is_set())
+    return handle, send, [int(rx_pool.block_view(b)[0]) for b in handle.blocks]
+
+
+@pytest.mark.timeout(30)
+def test_a_suffix_publication_gets_the_last_source_blocks() -> None:
+    p = Pair()
+    handle, send, firsts = _suffix_transfer(p, dst_suffix=True)
+    assert handle.outcome.result(0) is Outcome.COMPLETED and send.outcome.result(0) is Outcome.COMPLETED
+    assert firsts == [0x12, 0x13]  # token blocks 2 and 3: never the prefix (vLLM's front-trim bug, #48758)
+
+
+@pytest.mark.timeout(30)
+def test_a_short_publication_without_suffix_is_declined_at_once() -> None:
+    p = Pair()
+    handle, send, _ = _suffix_transfer(p, dst_suffix=False)
+    assert handle.outcome.result(0) is Outcome.FAILED and p.now < 5_000  # long before the 10 us timeout
+    assert p.drivers[TX].sender.counters.get("invalid_publications") == 1
+
+
+def _unpublished_cancel(p: Pair, writers) -> tuple:
+    """The decode side decides never to publish (it computed the KV itself) while the writer holds an
+    open send for the id: a cancel naming the writer frees the writer's source blocks at once."""
+    rid = make_request_id(1, 51)
+    send = p.tx.send(rid, (0, 1))
+    p.run(steps=3)
+    p.rx.cancel(rid, writers=writers)
+    p.run(send.released.is_set, steps=50)
+    return send, p.now
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_naming_writers_releases_their_unpublished_sends() -> None:
+    p = Pair()
+    send, t_ns = _unpublished_cancel(p, (TX,))
+    assert send.released.is_set() and send.outcome.result(0) is Outcome.CANCELLED and t_ns < 1_000
+    assert p.drivers[RX].receiver.counters.get("stale_acks") == 1  # the writer's ack, for no session here
+    assert not p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_a_cancel_without_writers_leaves_the_writer_waiting() -> None:
+    """What the notification buys: without it the writer holds its source blocks (until its own timeout)."""
+    send, _ = _unpublished_cancel(Pair(), ())
+    assert not send.released.is_set()
+
+
+@pytest.mark.timeout(30)
+def test_cancel_writers_are_checked_in_the_callers_thread() -> None:
+    p = Pair()
+    with pytest.raises(LocalProtocolError) as err:
+        p.rx.cancel(make_request_id(1, 52), writers=(7,))
+    assert err.value.field == "writers"
+    with pytest.raises(LocalProtocolError) as err:
+        p.tx.send(make_request_id(1, 53), (0, 1), num_pieces=2, dst_suffix=True)
+    assert err.value.field == "dst_suffix"
