@@ -1,0 +1,1 @@
+"""kvown inside other servers. Each integration uses kvown's public API only (``kvown``, ``kvown.rank``)."""
