@@ -78,7 +78,7 @@ for name in ("cupy", "nixl", "mpi4py"):
         print(name, "NOT IMPORTABLE:", type(exc).__name__, exc)
 EOF
 # The host build of the kernel math (tests/kernels needs it); g++ and Python headers are assumed.
-"$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "WARNING: could not build kernels._kv_host"
+"$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "WARNING: could not build kvown.kernels._kv_host"
 
 # CuPy and friends may warn (e.g. about the CUDA path); pyproject turns warnings into errors, which
 # would fail a one-shot GPU run for a deprecation. Real failures still fail.

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.errors import KernelInputError
+from kvown.kernels.errors import KernelInputError
 
 M32 = 0xFFFFFFFF
 WORD_STEP = 0x61C88647
@@ -46,7 +46,7 @@ _CHUNK_BYTES = 1 << 20  # bytes of temporaries' worth per step: bounds int64 tem
 MAX_BLOCK_NBYTES = 4 << 30  # word indices are 32-bit; 4 GiB keeps 16 * quads inside too
 
 if sys.byteorder != "little":  # pragma: no cover - every platform kvown runs on is little-endian
-    raise ImportError("kernels.blocks assumes a little-endian host (uint8 <-> int32 views)")
+    raise ImportError("kvown.kernels.blocks assumes a little-endian host (uint8 <-> int32 views)")
 
 
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:

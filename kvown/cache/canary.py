@@ -1,7 +1,7 @@
 """Retirement canaries: prove that nothing wrote into a block between its retirement and its reuse.
 
 Owns: the per-block retirement epoch of one pool. The pattern itself, ``canary(pool_id, block,
-epoch)``, and its fill and verify kernels live in ``kernels.ops`` (CUDA on a GPU pool, the torch
+epoch)``, and its fill and verify kernels live in ``kvown.kernels.ops`` (CUDA on a GPU pool, the torch
 reference on CPU, the same bits either way).
 
 Rules:
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
+from kvown.kernels import ops
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,7 +136,7 @@ class KVPool:
         """One plane across the pool as a strided uint8 view (no copy), shape (num_blocks, num_kv_heads,
         num_layers, tokens_per_block, nbytes per token); index it by block, e.g. ``[block_ids]``.
 
-        For NVFP4 planes this is what ``kernels.ops.quantize(out=...)`` writes into and
+        For NVFP4 planes this is what ``kvown.kernels.ops.quantize(out=...)`` writes into and
         ``dequantize`` reads, whichever scale layout the pool has. Ownership: as ``block_view``.
         """
         shape, strides, offset = self.layout.plane_geometry(plane_name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import nvfp4
+from kvown.kernels import nvfp4
 from kvown.apps import doctor
 from kvown.cache import KVLayout, KVPool
 from kvown.apps.doctor import CheckStatus

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import blocks, nvfp4, ops
-from kernels.errors import KernelInputError
+from kvown.kernels import blocks, nvfp4, ops
+from kvown.kernels.errors import KernelInputError
 from kvown.cache import KVLayout, KVPool
 
 pytestmark = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kvown.kernels import ops
 from kvown import KVLayout, Outcome, TransferConfig, WriteTracker, make_request_id
 from kvown.testing.local import KillRecorder, local_world
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kernels import nvfp4
+from kvown.kernels import nvfp4
 from kvown.cache import KVLayout, KVPool
 from kvown.core.errors import LocalProtocolError
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cuda_loader, nvfp4, ops
+from kvown.kernels import cuda_loader, nvfp4, ops
 
 pytestmark = pytest.mark.timeout(60)
 

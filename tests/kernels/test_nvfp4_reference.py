@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import nvfp4
+from kvown.kernels import nvfp4
 from kvown.cache import KVLayout
 from kvown.core.errors import LocalProtocolError
 

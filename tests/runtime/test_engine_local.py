@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kernels.nvfp4 import fill_pattern
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, WriteTracker, make_request_id
 from kvown.testing.local import KillRecorder, local_world
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from kernels.nvfp4 import fill_pattern
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, PoolExhausted, TransferConfig, connect_mpi, make_request_id
 from kvown.adapters.mpi import process_start_ticks
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kernels.nvfp4 import fill_pattern
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, make_request_id
 from kvown.rank import connect_registry
 

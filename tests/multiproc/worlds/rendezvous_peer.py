@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from kernels.nvfp4 import fill_pattern
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, connect_rendezvous, make_request_id
 
 rank, host, port, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
