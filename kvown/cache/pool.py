@@ -117,7 +117,10 @@ class KVPool:
         if self.scales is not None:
             n = self.scales.layout.block_nbytes
             regions.append(Region(self.scales.base_addr, n, n, self.layout.num_kv_heads))
-        return BlockSpace(tuple(regions), self.layout.num_blocks, mem, self.device.index or 0)
+        # The GPU the memory is on, not the one asked for: "cuda" allocates on the current device, and
+        # NIXL's UCX backend refuses VRAM registered under another device id.
+        device_id = self.tensor.device.index if mem == "VRAM" else 0
+        return BlockSpace(tuple(regions), self.layout.num_blocks, mem, device_id)
 
     def block_addr(self, block: int) -> int:
         self._check_index(block, "block")
