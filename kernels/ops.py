@@ -17,8 +17,9 @@ Rules:
   2. Outputs may be strided views (pool planes from ``KVPool.plane_view``) as long as their last
      dimension is contiguous; up to 4 leading dimensions after merging the mergeable ones.
   3. Only results that Python must read synchronise the stream: ``checksum`` (one int),
-     ``verify_pattern`` / ``first_pattern_mismatch`` (one int), the non-finite input check of
-     ``quantize`` (``check_finite=False`` skips it) and block-id range checks.
+     ``verify_pattern`` / ``first_pattern_mismatch`` (one int) and the non-finite input check of
+     ``quantize`` (``check_finite=False`` skips it). Block ids and epochs are checked on the host,
+     before they become tensors (``kvown.kernels.blocks`` rule 4): a device tensor of ids is refused.
 
 Called: from any thread that may use the tensors' device; there is no shared state but the
 compiled-module cache in kernels/cuda_loader.py, which has its own lock.
