@@ -156,7 +156,7 @@ def _check_ids(
     device: torch.device,
     field: str = "block_ids",
 ) -> torch.Tensor:
-    """``block_ids`` (default: every row) checked on the host (rule 4), as a contiguous tensor on ``device``."""
+    """``block_ids`` (default: every row) checked on the host (rule 4), contiguous on ``device``."""
     if block_ids is None:
         return torch.arange(num_rows, dtype=torch.int64, device=device)
     values = _host_ints(block_ids, field)

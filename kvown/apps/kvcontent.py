@@ -23,9 +23,9 @@ import dataclasses
 
 import torch
 
+from kvown.cache.pool import KVPool
 from kvown.kernels import ops
 from kvown.kernels.nvfp4 import NVFP4Tensor
-from kvown.cache.pool import KVPool
 
 NVFP4_GLOBAL_SCALE = 0.05  # the per-layer constant "calibration" gives N(0, 1) values: fits E4M3 scales
 

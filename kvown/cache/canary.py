@@ -93,7 +93,7 @@ class Canaries:
                       for k, plane in enumerate(self._planes)]
             offsets = self._read(torch.stack(firsts))
         broken = []
-        for i, (block, epoch) in enumerate(zip(stamped, epochs)):
+        for i, (block, epoch) in enumerate(zip(stamped, epochs, strict=True)):
             plane = next((k for k in range(len(offsets)) if offsets[k][i] >= 0), None)
             if plane is not None:
                 broken.append(CanaryBroken(block, epoch, offsets[plane][i], plane))
@@ -112,7 +112,7 @@ class Canaries:
         if self._stream is None:
             return firsts.tolist()
         host = firsts.to("cpu", non_blocking=True)  # into pinned memory, queued on the side stream
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self._stream)
         done.synchronize()
         return host.tolist()
@@ -123,6 +123,6 @@ def _side_stream(tensor: torch.Tensor) -> Any:
     the current stream so far: the pool's zero fill."""
     if not tensor.is_cuda:
         return None
-    stream = torch.cuda.Stream(device=tensor.device)
+    stream = torch.cuda.Stream(device=tensor.device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     return stream

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvown.cache import KVLayout, KVPool
-from kvown.cache.canary import PLANE_SCALES, PLANE_VALUES, CanaryBroken, Canaries
+from kvown.cache.canary import PLANE_SCALES, PLANE_VALUES, Canaries, CanaryBroken
 from kvown.kernels import blocks, ops
 from kvown.kernels.errors import KernelInputError
 
@@ -52,7 +52,8 @@ def test_a_block_broken_in_both_planes_is_reported_once_values_first() -> None:
     pool.scales.block_view(5)[0] ^= 0xFF
     pool.block_view(5)[100] ^= 0xFF
     pool.scales.block_view(1)[3] ^= 0xFF
-    assert canaries.check((1, 5)) == [CanaryBroken(1, 1, 3, PLANE_SCALES), CanaryBroken(5, 2, 100, PLANE_VALUES)]
+    assert canaries.check((1, 5)) == [CanaryBroken(1, 1, 3, PLANE_SCALES),
+                                      CanaryBroken(5, 2, 100, PLANE_VALUES)]
 
 
 def test_planes_carry_different_canaries() -> None:

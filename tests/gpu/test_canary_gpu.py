@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpukit import MODEL_CYCLES, NEEDS_CUDA_KERNELS
 
 from kvown.cache import KVLayout, KVPool
-from kvown.cache.canary import PLANE_SCALES, PLANE_VALUES, CanaryBroken, Canaries
-from kvown.kernels import ops
+from kvown.cache.canary import PLANE_SCALES, PLANE_VALUES, Canaries, CanaryBroken
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
-    pytest.mark.skipif(not ops.cupy_available(), reason="CuPy is not installed (pip install 'kvown[gpu]')"),
-    pytest.mark.timeout(120),
-]
-
-MODEL_CYCLES = 2_000_000_000  # ~1 s of GPU time at ~2 GHz
+pytestmark = [*NEEDS_CUDA_KERNELS, pytest.mark.timeout(120)]
 
 
 def gpu_pool() -> tuple[KVPool, Canaries]:
@@ -78,4 +71,5 @@ def test_late_writes_into_either_plane_are_caught_on_the_gpu() -> None:
     pool.block_view(12)[4097] ^= 0x02
     pool.scales.block_view(13)[31] ^= 0x80
     torch.cuda.synchronize()
-    assert canaries.check((12, 13)) == [CanaryBroken(12, 1, 4097, PLANE_VALUES), CanaryBroken(13, 1, 31, PLANE_SCALES)]
+    assert canaries.check((12, 13)) == [CanaryBroken(12, 1, 4097, PLANE_VALUES),
+                                        CanaryBroken(13, 1, 31, PLANE_SCALES)]

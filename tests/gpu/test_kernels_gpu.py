@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpukit import MODEL_CYCLES, NEEDS_CUDA_KERNELS
 
+from kvown.cache import KVLayout, KVPool
 from kvown.kernels import blocks, cuda_loader, nvfp4, ops
 from kvown.kernels.errors import KernelInputError
-from kvown.cache import KVLayout, KVPool
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
-    pytest.mark.skipif(not ops.cupy_available(), reason="CuPy is not installed (pip install 'kvown[gpu]')"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [*NEEDS_CUDA_KERNELS, pytest.mark.timeout(300)]
 
-MODEL_CYCLES = 2_000_000_000  # ~1 s of GPU time at ~2 GHz: the model's work on the default stream
 PRODUCER_CYCLES = 200_000_000  # ~0.1 s: a producer still running when the kernel is queued behind it
 
 TIES = torch.tensor(
@@ -172,7 +167,8 @@ def test_quantize_and_dequantize_take_their_scalar_paths_on_unaligned_tensors(dt
     """Every load and store of both NVFP4 kernels misaligned (input, values, scales, output)."""
     x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(8)) * 3).to(dtype)
     expected = nvfp4.quantize(x, 0.05)
-    values, scales = shifted(torch.zeros(64, 64, dtype=torch.uint8)), shifted(torch.zeros(64, 8, dtype=torch.uint8))
+    values = shifted(torch.zeros(64, 64, dtype=torch.uint8))
+    scales = shifted(torch.zeros(64, 8, dtype=torch.uint8))
     ops.quantize(shifted(x), 0.05, out=(values, scales), backend="cuda")
     assert torch.equal(values.cpu(), expected.values) and torch.equal(scales.cpu(), expected.scales)
     out = shifted(torch.zeros(64, 128))

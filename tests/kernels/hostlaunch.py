@@ -25,7 +25,8 @@ from kernelsig import signatures
 def _inside(t: torch.Tensor, nbytes: int) -> None:
     storage = t.untyped_storage()
     assert t.data_ptr() >= storage.data_ptr(), "a launch argument starts before its tensor's storage"
-    assert t.data_ptr() + nbytes <= storage.data_ptr() + storage.nbytes(), "the launch touches memory past its tensor"
+    end = storage.data_ptr() + storage.nbytes()
+    assert t.data_ptr() + nbytes <= end, "the launch touches memory past its tensor"
 
 
 def _array(ptr: Any, ctype: Any, count: int) -> Any:
@@ -55,7 +56,8 @@ class HostLaunch:
         getattr(self, name)(**dict(zip(params, args(), strict=True)))
         self.launched.append(name)
 
-    def _seeds(self, mode: int, pool_id: int, block: int, epoch: int, seed_a: int, seed_b: int) -> tuple[int, int]:
+    def _seeds(self, mode: int, pool_id: int, block: int, epoch: int, seed_a: int,
+               seed_b: int) -> tuple[int, int]:
         if int(mode) == 0:
             return int(seed_a), int(seed_b)
         return self.host.canary_seeds(int(pool_id), block & 0xFFFFFFFF, epoch & 0xFFFFFFFFFFFFFFFF)  # type: ignore[no-any-return]

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvown.cache import KVLayout, KVPool
 from kvown.kernels import blocks, nvfp4, ops
 from kvown.kernels.errors import KernelInputError
-from kvown.cache import KVLayout, KVPool
 
 pytestmark = pytest.mark.timeout(60)
 
