@@ -23,8 +23,8 @@ import sys
 import torch
 from mpi4py import MPI
 
-from kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, WriteTracker, connect_mpi, make_request_id
+from kvown.kernels.nvfp4 import fill_pattern
 
 REQUESTS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 PREFILL, DECODE = 0, 1

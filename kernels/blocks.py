@@ -17,9 +17,15 @@ is zero-padded. ``mix32`` is a bijective xorshift-multiply mixer on 32 bits.
     ``canary_seeds(pool, block, epoch)``, all mix32 steps, so a GPU derives them itself.
 
 Rules:
-  1. No Python loop runs per element: loops run per MiB chunk (or per row batch) only.
+  1. No Python loop runs per element of a block: loops run per MiB chunk (or per row batch) only;
+     block ids and epochs are checked one Python int each (rule 4).
   2. Results depend only on the bytes and the arguments, never on the device or the chunking.
   3. Malformed arguments raise ``KernelInputError`` (a ``ValueError``) naming the argument.
+  4. Block ids and epochs are checked on the host, as Python ints, before they become device
+     tensors: no check reads a GPU tensor (a ``.min()`` there waits for all queued GPU work, usually
+     the model's). They arrive as ints or a CPU int64 tensor; a device tensor is refused. What the
+     kernels get is a fresh contiguous int64 tensor (a kernel reads ids as a flat array), copied from
+     pinned memory without a sync.
 
 Invariants:
   1. Changing any one 32-bit word of a block (one byte or up to four adjacent aligned bytes) always
@@ -38,7 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.errors import KernelInputError
+from kvown.kernels.errors import KernelInputError
 
 M32 = 0xFFFFFFFF
 WORD_STEP = 0x61C88647
@@ -46,7 +52,7 @@ _CHUNK_BYTES = 1 << 20  # bytes of temporaries' worth per step: bounds int64 tem
 MAX_BLOCK_NBYTES = 4 << 30  # word indices are 32-bit; 4 GiB keeps 16 * quads inside too
 
 if sys.byteorder != "little":  # pragma: no cover - every platform kvown runs on is little-endian
-    raise ImportError("kernels.blocks assumes a little-endian host (uint8 <-> int32 views)")
+    raise ImportError("kvown.kernels.blocks assumes a little-endian host (uint8 <-> int32 views)")
 
 
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -120,28 +126,44 @@ def _check_blocks(blocks: torch.Tensor, field: str = "blocks") -> None:
         )
 
 
+def _host_ints(values: Sequence[int] | torch.Tensor, field: str) -> list[int]:
+    """Rule 4: ``values`` as Python ints, read on the host (a CPU tensor's, or the sequence's)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.int64 or values.dim() != 1 or values.device.type != "cpu":
+            raise KernelInputError(
+                "expected a 1-D int64 CPU tensor (checked on the host: a device tensor would need a sync)",
+                field=field, dtype=str(values.dtype), device=str(values.device),
+            )
+        return values.tolist()  # type: ignore[no-any-return]
+    out = list(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in out):
+        raise KernelInputError("expected ints", field=field)
+    return out
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Rule 4: checked ints as a contiguous int64 tensor on ``device``; to a GPU from pinned memory,
+    asynchronously on the current stream (the caching host allocator keeps the buffer until then)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _check_ids(
     block_ids: Sequence[int] | torch.Tensor | None,
     num_rows: int,
     device: torch.device,
     field: str = "block_ids",
 ) -> torch.Tensor:
+    """``block_ids`` (default: every row) checked on the host (rule 4), contiguous on ``device``."""
     if block_ids is None:
         return torch.arange(num_rows, dtype=torch.int64, device=device)
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype != torch.int64 or block_ids.dim() != 1:
-            raise KernelInputError(
-                "block ids must be a 1-D int64 tensor", field=field, dtype=str(block_ids.dtype)
-            )
-        ids = block_ids.to(device)
-    else:
-        values = list(block_ids)
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-            raise KernelInputError("block ids must be ints", field=field)
-        ids = torch.tensor(values, dtype=torch.int64, device=device)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
-        raise KernelInputError("block id out of range", field=field, num_blocks=num_rows)
-    return ids
+    values = _host_ints(block_ids, field)
+    bad = next((v for v in values if not 0 <= v < num_rows), None)
+    if bad is not None:
+        raise KernelInputError("block id out of range", field=field, block=bad, num_blocks=num_rows)
+    return _to_device(values, device)
 
 
 def _check_uint(value: object, bits: int, field: str) -> int:
@@ -286,20 +308,14 @@ def canary_seeds(
 def _check_epochs(
     epoch: int | Sequence[int] | torch.Tensor, count: int, device: torch.device
 ) -> torch.Tensor:
-    if isinstance(epoch, torch.Tensor):
-        epochs = epoch.to(device=device)
-        if epochs.dtype != torch.int64 or epochs.shape != (count,):
-            raise KernelInputError("epochs must be an int64 tensor with one entry per block", field="epoch")
-    elif isinstance(epoch, int) and not isinstance(epoch, bool):
-        epochs = torch.full((count,), _check_uint(epoch, 63, "epoch"), dtype=torch.int64, device=device)
+    """One retirement epoch for all ``count`` blocks, or one each, checked on the host (rule 4)."""
+    if isinstance(epoch, int) and not isinstance(epoch, bool):
+        values = [_check_uint(epoch, 63, "epoch")] * count
     else:
-        values = [_check_uint(e, 63, "epoch") for e in epoch]
+        values = [_check_uint(e, 63, "epoch") for e in _host_ints(epoch, "epoch")]
         if len(values) != count:
             raise KernelInputError("one epoch per block", field="epoch", epochs=len(values), blocks=count)
-        epochs = torch.tensor(values, dtype=torch.int64, device=device)
-    if epochs.numel() and int(epochs.min()) < 0:
-        raise KernelInputError("epochs must be >= 0", field="epoch")
-    return epochs
+    return _to_device(values, device)
 
 
 def _canary_args(

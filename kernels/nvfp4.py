@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from kernels.blocks import (  # noqa: F401  (re-exported: older code imports these from here)
+from kvown.kernels.blocks import (  # noqa: F401  (re-exported: older code imports these from here)
     _CHUNK_BYTES,
     checksum,
     checksums,
@@ -52,7 +52,7 @@ from kernels.blocks import (  # noqa: F401  (re-exported: older code imports the
     first_pattern_mismatch,
     verify_pattern,
 )
-from kernels.errors import KernelInputError
+from kvown.kernels.errors import KernelInputError
 
 GROUP_SIZE = 16
 E2M1_MAX = 6.0

@@ -17,8 +17,9 @@ Rules:
   2. Outputs may be strided views (pool planes from ``KVPool.plane_view``) as long as their last
      dimension is contiguous; up to 4 leading dimensions after merging the mergeable ones.
   3. Only results that Python must read synchronise the stream: ``checksum`` (one int),
-     ``verify_pattern`` / ``first_pattern_mismatch`` (one int), the non-finite input check of
-     ``quantize`` (``check_finite=False`` skips it) and block-id range checks.
+     ``verify_pattern`` / ``first_pattern_mismatch`` (one int) and the non-finite input check of
+     ``quantize`` (``check_finite=False`` skips it). Block ids and epochs are checked on the host,
+     before they become tensors (``kvown.kernels.blocks`` rule 4): a device tensor of ids is refused.
 
 Called: from any thread that may use the tensors' device; there is no shared state but the
 compiled-module cache in kernels/cuda_loader.py, which has its own lock.
@@ -33,9 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import blocks, cuda_loader, nvfp4
-from kernels.errors import KernelInputError
-from kernels.nvfp4 import GROUP_SIZE, NVFP4Tensor
+from kvown.kernels import blocks, cuda_loader, nvfp4
+from kvown.kernels.errors import KernelInputError
+from kvown.kernels.nvfp4 import GROUP_SIZE, NVFP4Tensor
 
 THREADS = 256
 _MAX_GRID_Y = 65535
@@ -53,9 +54,9 @@ def cupy_available() -> bool:
 
 @functools.cache
 def _host_build() -> Any:
-    """The host build of the kernel math (kernels._kv_host), or None where it is not built."""
+    """The host build of the kernel math (kvown.kernels._kv_host), or None where it is not built."""
     try:
-        from kernels import _kv_host  # type: ignore[attr-defined]
+        from kvown.kernels import _kv_host  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _kv_host
@@ -168,7 +169,7 @@ def quantize(
     """NVFP4-quantise ``x`` (float32 / bfloat16 / float16, rows a multiple of 16) along its last dim.
 
     ``out=(values, scales)`` writes into given uint8 tensors (e.g. pool plane views) of shapes
-    (..., n // 2) and (..., n // 16). Global scales as in ``kernels.nvfp4.quantize`` (a missing one
+    (..., n // 2) and (..., n // 16). Global scales as in ``kvown.kernels.nvfp4.quantize`` (a missing one
     costs an amax pass and a sync). Called: per KV write, on the producer's thread and stream.
     Ownership: the caller owns ``out``; nothing is kept. After error: ``KernelInputError``, nothing
     written (rule 1) -- except a non-finite value found by the kernel, which is reported after the
@@ -411,7 +412,7 @@ def _pattern_launch(
 def fill_pattern(
     tensor: torch.Tensor, request_id: int | str, writer: int, block: int, *, backend: str = "auto"
 ) -> torch.Tensor:
-    """``kernels.blocks.fill_pattern`` on the tensor's device. Returns ``tensor``."""
+    """``kvown.kernels.blocks.fill_pattern`` on the tensor's device. Returns ``tensor``."""
     blocks._check_pattern_target(tensor)
     if not _use_cuda(tensor, backend):
         return blocks.fill_pattern(tensor, request_id, writer, block)

@@ -87,7 +87,7 @@ def test_cli_dispatches_doctor_with_its_arguments(capsys: pytest.CaptureFixture[
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dist", ["cupy-cuda12x", "cupy-cuda13x"])
 def test_cupy_line_names_the_installed_build(monkeypatch: pytest.MonkeyPatch, dist: str) -> None:
-    from kernels import cuda_loader
+    from kvown.kernels import cuda_loader
 
     monkeypatch.setattr(cuda_loader, "installed_cupy", lambda: (dist, "14.2.0"))
     result = doctor.check_cupy()
@@ -98,7 +98,7 @@ def test_cupy_line_names_the_installed_build(monkeypatch: pytest.MonkeyPatch, di
 
 @pytest.mark.timeout(60)
 def test_nvrtc_and_host_extension_lines(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import nvrtc
+    from kvown.kernels import nvrtc
 
     result = doctor.check_nvrtc()
     assert result.status is CheckStatus.OK and "compiles kvown's kernels" in result.detail  # pinned wheel

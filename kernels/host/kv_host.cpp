@@ -1,4 +1,4 @@
-// kernels._kv_host: the host build of kernels/cuda/kv_math.cuh, for tests on machines with no GPU.
+// kvown.kernels._kv_host: the host build of kernels/cuda/kv_math.cuh, for tests on machines with no GPU.
 //
 // Owns: thin loops that call the SAME __host__ __device__ functions the CUDA kernels call, one group
 // or one word at a time, over caller-owned buffers (numpy arrays). It exists so that CI checks the
@@ -184,7 +184,7 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernels._kv_host",
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvown.kernels._kv_host",
                       "Host build of kernels/cuda/kv_math.cuh (tests only).", -1, methods};
 
 }  // namespace

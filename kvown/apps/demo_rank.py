@@ -10,7 +10,7 @@ Rules:
      *before* its write-ready token is done; a WRITE posted early would carry stale bytes and fail
      verification (the demo checks the gating for real). What a block holds (``KVContent``):
        * bfloat16: ``fill_pattern(request, 0, block index)``;
-       * nvfp4: K and V values drawn from the request's seed, quantised with kernels.ops into the
+       * nvfp4: K and V values drawn from the request's seed, quantised with kvown.kernels.ops into the
          block's value and scale planes (``--scale-layout``: inline, or a separate scale pool).
      (kvown/apps/kvcontent.py, shared with ``kvown qualify``.)
   3. Every landed request is verified block by block: by pattern (bfloat16), or (nvfp4) by the 64-bit

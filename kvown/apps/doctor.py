@@ -151,7 +151,7 @@ def check_mpirun() -> CheckResult:
 
 
 def check_cupy() -> CheckResult:
-    from kernels.cuda_loader import installed_cupy
+    from kvown.kernels.cuda_loader import installed_cupy
 
     found = installed_cupy()
     if found is None:
@@ -164,8 +164,8 @@ def check_cupy() -> CheckResult:
 
 
 def check_nvrtc() -> CheckResult:
-    from kernels import cuda_loader
-    from kernels.nvrtc import find_nvrtc
+    from kvown.kernels import cuda_loader
+    from kvown.kernels.nvrtc import find_nvrtc
 
     nvrtc = find_nvrtc()
     if nvrtc is None:
@@ -181,11 +181,11 @@ def check_nvrtc() -> CheckResult:
 
 def check_host_extension() -> CheckResult:
     try:
-        module = importlib.import_module("kernels._kv_host")
+        module = importlib.import_module("kvown.kernels._kv_host")
     except ImportError:
-        return CheckResult("hostext", CheckStatus.ABSENT, False, "kernels._kv_host not built (tests need it)",
+        return CheckResult("hostext", CheckStatus.ABSENT, False, "kvown.kernels._kv_host not built (tests need it)",
                            "pip install --no-deps -e . (or make setup) builds it")
-    return _ok("hostext", f"kernels._kv_host built ({module.__file__})", required=False)
+    return _ok("hostext", f"kvown.kernels._kv_host built ({module.__file__})", required=False)
 
 
 def check_gpu() -> CheckResult:

@@ -7,7 +7,7 @@ Rules:
      a fan-in request writes the same full blocks, and a receiver regenerates them to compare.
   2. Pattern layouts (standard, MLA): ``fill_pattern(request, 0, index)`` per block.
   3. NVFP4 layouts: for every ``<name>_values`` plane, float32 values drawn from a generator seeded
-     with the request id on the pool's device, quantised by ``kernels.ops`` with a fixed global scale
+     with the request id on the pool's device, quantised by ``kvown.kernels.ops`` with a fixed global scale
      into the value plane and its ``<name>_scales`` plane (inline in the block, or in the scale pool
      of a "separate" layout).
   4. A landed NVFP4 block is good when its 64-bit checksum (and its scale-pool block's) equals that of
@@ -23,9 +23,9 @@ import dataclasses
 
 import torch
 
-from kernels import ops
-from kernels.nvfp4 import NVFP4Tensor
 from kvown.cache.pool import KVPool
+from kvown.kernels import ops
+from kvown.kernels.nvfp4 import NVFP4Tensor
 
 NVFP4_GLOBAL_SCALE = 0.05  # the per-layer constant "calibration" gives N(0, 1) values: fits E4M3 scales
 

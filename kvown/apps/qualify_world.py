@@ -32,11 +32,11 @@ sys.setswitchinterval(2e-4)
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from kernels.ops import checksum  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.cuda import WriteTracker  # noqa: E402
 from kvown.apps.kvcontent import KVContent  # noqa: E402
 from kvown.core.messages import Envelope, KvResult, ResultStatus  # noqa: E402
+from kvown.kernels.ops import checksum  # noqa: E402
 
 import argparse  # noqa: E402
 

@@ -164,7 +164,7 @@ class KVLayout:
         scale_layout: str = "inline",
     ) -> KVLayout:
         """The MLA latent (e.g. 512 compressed + 64 rope) as NVFP4, one head: ``latent_values`` and
-        ``latent_scales``. The rope part may use its own global scale (``kernels.ops.quantize(rope_dim=)``);
+        ``latent_scales``. The rope part may use its own global scale (``kvown.kernels.ops.quantize(rope_dim=)``);
         global scales travel out of band, so they are not part of the geometry."""
         return cls._nvfp4(num_layers, num_blocks, tokens_per_block, 1, latent_dim, ("latent",), scale_layout)
 

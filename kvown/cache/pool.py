@@ -117,7 +117,10 @@ class KVPool:
         if self.scales is not None:
             n = self.scales.layout.block_nbytes
             regions.append(Region(self.scales.base_addr, n, n, self.layout.num_kv_heads))
-        return BlockSpace(tuple(regions), self.layout.num_blocks, mem, self.device.index or 0)
+        # The GPU the memory is on, not the one asked for: "cuda" allocates on the current device, and
+        # NIXL's UCX backend refuses VRAM registered under another device id.
+        device_id = self.tensor.device.index if mem == "VRAM" else 0
+        return BlockSpace(tuple(regions), self.layout.num_blocks, mem, device_id)
 
     def block_addr(self, block: int) -> int:
         self._check_index(block, "block")
@@ -136,7 +139,7 @@ class KVPool:
         """One plane across the pool as a strided uint8 view (no copy), shape (num_blocks, num_kv_heads,
         num_layers, tokens_per_block, nbytes per token); index it by block, e.g. ``[block_ids]``.
 
-        For NVFP4 planes this is what ``kernels.ops.quantize(out=...)`` writes into and
+        For NVFP4 planes this is what ``kvown.kernels.ops.quantize(out=...)`` writes into and
         ``dequantize`` reads, whichever scale layout the pool has. Ownership: as ``block_view``.
         """
         shape, strides, offset = self.layout.plane_geometry(plane_name)

@@ -211,7 +211,7 @@ class Driver:
         self.inn = InboundStreams(rank)
         self.stats: collections.Counter[str] = collections.Counter()
         self.fatal: FailStop | None = None
-        self.canaries = Canaries(pool.tensor, pool.layout.block_nbytes, pool.num_blocks) if config.canary else None
+        self.canaries = Canaries.of_pool(pool) if config.canary else None
         self._now_ns = 0
         self._retry_ns = int(config.control_retry_s * 1e9)
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()

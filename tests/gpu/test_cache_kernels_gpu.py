@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import nvfp4
 from kvown.apps import doctor
-from kvown.cache import KVLayout, KVPool
 from kvown.apps.doctor import CheckStatus
+from kvown.cache import KVLayout, KVPool
+from kvown.kernels import nvfp4
 
 pytestmark = [
     pytest.mark.gpu,

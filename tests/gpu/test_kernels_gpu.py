@@ -1,4 +1,5 @@
-"""On a CUDA device: every kernel of kernels/ops.py against the CPU torch reference, bit for bit.
+"""On a CUDA device: every kernel of kernels/ops.py against the CPU torch reference, bit for bit, on
+aligned and unaligned tensors (each kernel's vector and scalar paths), and on the caller's stream.
 
 Skipped, with the reason, where there is no CUDA device or no CuPy. benchmarks/gpu_check.sh runs it.
 """
@@ -7,17 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpukit import MODEL_CYCLES, NEEDS_CUDA_KERNELS
 
-from kernels import blocks, nvfp4, ops
-from kernels.errors import KernelInputError
 from kvown.cache import KVLayout, KVPool
+from kvown.kernels import blocks, cuda_loader, nvfp4, ops
+from kvown.kernels.errors import KernelInputError
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
-    pytest.mark.skipif(not ops.cupy_available(), reason="CuPy is not installed (pip install 'kvown[gpu]')"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [*NEEDS_CUDA_KERNELS, pytest.mark.timeout(300)]
+
+PRODUCER_CYCLES = 200_000_000  # ~0.1 s: a producer still running when the kernel is queued behind it
 
 TIES = torch.tensor(
     [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0]
@@ -26,6 +25,14 @@ TIES = torch.tensor(
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
+
+
+def shifted(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in CUDA memory one element past a 16-byte boundary: the kernels' scalar paths."""
+    out = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0
+    return out
 
 
 def cases() -> list[tuple[str, torch.Tensor, dict[str, object]]]:
@@ -155,11 +162,82 @@ def test_non_finite_input_is_reported_after_the_kernel() -> None:
     ops.quantize(x, 1.0, check_finite=False, backend="cuda")  # the caller's choice: no sync, no check
 
 
-def test_kernels_run_on_torchs_current_stream() -> None:
-    side = torch.cuda.Stream()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_and_dequantize_take_their_scalar_paths_on_unaligned_tensors(dtype: torch.dtype) -> None:
+    """Every load and store of both NVFP4 kernels misaligned (input, values, scales, output)."""
+    x = (torch.randn(64, 128, generator=torch.Generator().manual_seed(8)) * 3).to(dtype)
+    expected = nvfp4.quantize(x, 0.05)
+    values = shifted(torch.zeros(64, 64, dtype=torch.uint8))
+    scales = shifted(torch.zeros(64, 8, dtype=torch.uint8))
+    ops.quantize(shifted(x), 0.05, out=(values, scales), backend="cuda")
+    assert torch.equal(values.cpu(), expected.values) and torch.equal(scales.cpu(), expected.scales)
+    out = shifted(torch.zeros(64, 128))
+    landed = nvfp4.NVFP4Tensor(shifted(expected.values), shifted(expected.scales), expected.global_scale)
+    ops.dequantize(landed, out=out, backend="cuda")
+    assert torch.equal(bits(out.cpu()), bits(nvfp4.dequantize(expected)))
+
+
+@pytest.mark.parametrize(("nbytes", "offset"), [(4096, 0), (4096, 1), (4100, 0), (333, 0)])
+def test_canaries_on_the_vector_and_the_byte_paths(nbytes: int, offset: int) -> None:
+    """Rows at 16-byte multiples take the uint4 path; odd strides and odd addresses the byte path."""
+    store = torch.zeros(16, nbytes + offset, dtype=torch.uint8)
+    cpu, gpu = store[:, offset:], store.cuda()[:, offset:]
+    retired = [0, 7, 15]
+    ops.fill_canary(gpu, retired, 5, [1, 2, 3], backend="cuda")
+    blocks.fill_canary(cpu, retired, 5, [1, 2, 3])
+    assert torch.equal(gpu.cpu(), cpu)
+    gpu[7, nbytes - 1] ^= 1
+    assert ops.verify_canary(gpu, retired, 5, [1, 2, 3], backend="cuda").tolist() == [-1, nbytes - 1, -1]
+    assert ops.first_pattern_mismatch(gpu[15], "x", 0, 0, backend="cuda") >= 0  # a canary is no pattern
+
+
+def test_block_ids_on_the_gpu_are_refused_and_strided_host_ids_name_their_blocks() -> None:
+    """Ids are checked on the host (a device tensor would need a sync); a strided CPU view is copied
+    to a contiguous device array, so the kernel reads the ids it holds."""
+    gpu = torch.zeros(8, 256, dtype=torch.uint8, device="cuda")
+    with pytest.raises(KernelInputError) as raised:
+        ops.fill_canary(gpu, torch.tensor([1, 2], device="cuda"), 0, 1, backend="cuda")
+    assert raised.value.fields["field"] == "block_ids"
+    ids = torch.tensor([2, 0, 7, 1, 5, 3])[::2]  # [2, 7, 5]; its memory reads [2, 0, 7]
+    ops.fill_canary(gpu, ids, 3, 4, backend="cuda")
+    cpu = torch.zeros(8, 256, dtype=torch.uint8)
+    blocks.fill_canary(cpu, [2, 7, 5], 3, 4)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(ops.checksums(gpu, ids, backend="cuda").cpu(), blocks.checksums(cpu, [2, 7, 5]))
+
+
+def _quantize_between_producer_and_consumer() -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The model keeps the default stream busy; on a side stream a delayed producer writes ``y``, the
+    kernel quantises it and a consumer copies the result. Returns (snapshot, expected, model busy)."""
     x = torch.randn(4096, 128, device="cuda")
+    y = torch.zeros_like(x)
+    values = torch.zeros(4096, 64, dtype=torch.uint8, device="cuda")
+    scales = torch.zeros(4096, 8, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(MODEL_CYCLES)  # the model's work, queued on the default stream
     with torch.cuda.stream(side):
-        y = x * 3  # queued on the side stream
-        q = ops.quantize(y, 0.05, check_finite=False, backend="cuda")  # must see y complete
+        torch.cuda._sleep(PRODUCER_CYCLES)  # the producer is still running when the kernel is queued
+        y.copy_(x * 3)
+        ops.quantize(y, 0.05, out=(values, scales), check_finite=False, backend="cuda")
+        snapshot = values.clone()  # the consumer, queued right behind the kernel
     side.synchronize()
-    assert torch.equal(q.values.cpu(), nvfp4.quantize(y.cpu(), 0.05).values)
+    model_busy = not torch.cuda.default_stream().query()
+    torch.cuda.synchronize()
+    return snapshot.cpu(), nvfp4.quantize((x * 3).cpu(), 0.05).values, model_busy
+
+
+def test_kernels_run_on_torchs_current_stream() -> None:
+    """After the producer, before the consumer, and never behind the default stream's work."""
+    snapshot, expected, model_busy = _quantize_between_producer_and_consumer()
+    assert model_busy, "the model's sleep ended before the side stream: raise MODEL_CYCLES"
+    assert torch.equal(snapshot, expected)
+
+
+def test_mutant_a_launch_on_the_default_stream_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel launched on the default stream queues behind the model: the consumer copies zeros."""
+    cupy = cuda_loader.cupy_module()
+    monkeypatch.setattr(cuda_loader, "stream", lambda index: cupy.cuda.ExternalStream(
+        torch.cuda.default_stream(index).cuda_stream, index))
+    snapshot, expected, _ = _quantize_between_producer_and_consumer()
+    assert not torch.equal(snapshot, expected)

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from kernels import nvfp4
 from kvown.cache import KVLayout, KVPool
 from kvown.core.errors import LocalProtocolError
+from kvown.kernels import nvfp4
 
 
 @pytest.mark.timeout(10)

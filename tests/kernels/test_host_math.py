@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import blocks, nvfp4
+from kvown.kernels import blocks, nvfp4
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def host():  # type: ignore[no-untyped-def]
     try:
-        return importlib.import_module("kernels._kv_host")
+        return importlib.import_module("kvown.kernels._kv_host")
     except ImportError as exc:
         pytest.fail(
-            f"kernels._kv_host is not built ({exc}): run `make setup` "
+            f"kvown.kernels._kv_host is not built ({exc}): run `make setup` "
             "(pip install --no-deps -e .) or `python setup.py build_ext --inplace`"
         )
 

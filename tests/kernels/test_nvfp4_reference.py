@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import nvfp4
 from kvown.cache import KVLayout
 from kvown.core.errors import LocalProtocolError
+from kvown.kernels import nvfp4
 
 
 @pytest.mark.timeout(10)

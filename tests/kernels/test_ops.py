@@ -1,4 +1,4 @@
-"""kernels.ops on CPU tensors: dispatch to the reference, writes into pool planes of both NVFP4 scale
+"""kvown.kernels.ops on CPU tensors: dispatch to the reference, writes into pool planes of both NVFP4 scale
 layouts, canaries over many blocks, and ValueError naming the argument for every malformed input."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import blocks, nvfp4, ops
-from kernels.errors import KernelInputError
 from kvown.cache import KVLayout, KVPool
+from kvown.kernels import blocks, nvfp4, ops
+from kvown.kernels.errors import KernelInputError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rope_dim", [0, 64])
 def test_the_host_build_gives_the_references_bits(dtype: torch.dtype, rope_dim: int) -> None:
     """CPU tensors run the host build of the kernel math by default: the reference's bits, ~100x faster."""
-    pytest.importorskip("kernels._kv_host", reason="the host build is made by `make setup`")
+    pytest.importorskip("kvown.kernels._kv_host", reason="the host build is made by `make setup`")
     x = (rand(3, 5, 576, seed=rope_dim) * 40).to(dtype)
     want = nvfp4.quantize(x, rope_dim=rope_dim)
     for backend in ("auto", "host"):
@@ -88,7 +88,7 @@ def test_the_host_build_gives_the_references_bits(dtype: torch.dtype, rope_dim: 
 
 
 def test_the_host_build_writes_nothing_on_non_finite_input() -> None:
-    pytest.importorskip("kernels._kv_host", reason="the host build is made by `make setup`")
+    pytest.importorskip("kvown.kernels._kv_host", reason="the host build is made by `make setup`")
     x = rand(2, 32)
     x[1, 7] = float("inf")
     out = (torch.full((2, 16), 0xAB, dtype=torch.uint8), torch.full((2, 2), 0xCD, dtype=torch.uint8))
@@ -232,7 +232,7 @@ def test_checksums_of_chosen_blocks_equal_those_of_the_whole_pool() -> None:
 @settings(max_examples=200, deadline=None)
 @given(nbytes=st.integers(1, 300), data=st.data())
 def test_changing_any_one_word_always_changes_the_checksum(nbytes: int, data: st.DataObject) -> None:
-    """Invariant 1 of kernels.blocks, over many sizes and positions (not a probabilistic claim)."""
+    """Invariant 1 of kvown.kernels.blocks, over many sizes and positions (not a probabilistic claim)."""
     seed = data.draw(st.integers(0, 2**31))
     block = torch.randint(
         0, 256, (1, nbytes), generator=torch.Generator().manual_seed(seed), dtype=torch.int32

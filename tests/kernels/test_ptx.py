@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from kernels import cuda_loader
-from kernels.nvrtc import NvrtcError, find_nvrtc
+from kvown.kernels import cuda_loader
+from kvown.kernels.nvrtc import NvrtcError, find_nvrtc
 
 pytestmark = pytest.mark.timeout(120)
 

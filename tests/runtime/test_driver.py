@@ -38,7 +38,7 @@ class Pair:
     """A sender rank and a receiver rank, each the production driver over one fabric."""
 
     def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000,
-                 clock=None) -> None:
+                 clock=None, layout: KVLayout = LAYOUT) -> None:
         self.now = 0
         clock = clock or (lambda: self.now)  # the engine's clock: API calls and handle stamps
         self.fabric = FakeFabric()
@@ -46,11 +46,11 @@ class Pair:
         self.drivers: dict[int, Driver] = {}
         transports = {}
         for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
-            pool = KVPool(LAYOUT)
+            pool = KVPool(layout)
             aux = torch.zeros(4 * 8, dtype=torch.uint8)
             transports[rank] = KVTransport(FakeNixlEndpoint(f"r{rank}", fabric=self.fabric), rank, pool.space(), aux,
                                            aux_slot_nbytes=8, roles=frozenset({role}),
-                                           geometry_digest=LAYOUT.geometry_digest())
+                                           geometry_digest=layout.geometry_digest())
             config = TransferConfig(transfer_timeout_s=timeout_ns * 1e-9, grace_s=grace_ns * 1e-9,
                                     control_retry_s=retry_ns * 1e-9, aux_slots=4, aux_slot_nbytes=8, fault=None,
                                     metrics_port=0, canary=True)
@@ -238,6 +238,23 @@ def test_a_canary_fail_stop_is_latched_before_the_caller_hears_of_it() -> None:
     assert seen_at_answer and seen_at_answer[0] is not None
     assert seen_at_answer[0].reason is FatalReason.INVARIANT and "canary" in seen_at_answer[0].detail
     assert p.fatal[RX] is seen_at_answer[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_late_write_into_the_separate_scale_pool_fail_stops_too() -> None:
+    """The driver's canaries guard every plane of its pool: a late write of NVFP4 scales (the separate,
+    TensorRT-LLM layout) is caught before the block is handed out again, like one of values."""
+    layout = KVLayout.nvfp4(num_layers=1, num_blocks=8, tokens_per_block=16, num_kv_heads=2, head_dim=16,
+                            scale_layout="separate")
+    p = Pair(layout=layout)
+    rid, handle, _ = p.transfer(1)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    p.drivers[RX].pool.scales.block_view(handle.blocks[1])[5] ^= 0x01  # type: ignore[union-attr]
+    ticket = p.rx.submit_receive(make_request_id(1, 2), layout.num_blocks, (TX,))
+    p.run(ticket.future.done, steps=5)
+    assert "fail-stopping" in str(ticket.future.exception(0))
+    assert p.fatal[RX].reason is FatalReason.INVARIANT and "canary" in p.fatal[RX].detail  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(30)

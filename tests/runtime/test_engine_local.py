@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, WriteTracker, make_request_id
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown.testing.local import KillRecorder, local_world
 
 LAYOUT = KVLayout.standard(num_layers=2, num_blocks=32, tokens_per_block=16, num_kv_heads=2, head_dim=64,

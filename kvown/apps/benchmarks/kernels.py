@@ -28,8 +28,8 @@ from functools import partial
 
 import torch
 
-from kernels import nvfp4, ops
-from kernels.cuda_loader import installed_cupy
+from kvown.kernels import nvfp4, ops
+from kvown.kernels.cuda_loader import installed_cupy
 
 TARGET_RATIO = 0.7
 HEAD_DIM = 128

@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, PoolExhausted, TransferConfig, connect_mpi, make_request_id
 from kvown.adapters.mpi import process_start_ticks
+from kvown.kernels.nvfp4 import fill_pattern
 
 MAX_LIFETIME_S = 60.0
 W, RX = 0, 1

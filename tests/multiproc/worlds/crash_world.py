@@ -52,9 +52,9 @@ from pathlib import Path  # noqa: E402
 
 from mpi4py import MPI  # noqa: E402
 
-from kernels.nvfp4 import fill_pattern  # noqa: E402
 from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_id  # noqa: E402
 from kvown.adapters.mpi import process_start_ticks  # noqa: E402
+from kvown.kernels.nvfp4 import fill_pattern  # noqa: E402
 from kvown.runtime.failstop import install_sigterm_dump  # noqa: E402
 from kvown.testing.faults import CRASH_POINTS  # noqa: E402
 

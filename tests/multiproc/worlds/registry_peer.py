@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, make_request_id
+from kvown.kernels.nvfp4 import fill_pattern
 from kvown.rank import connect_registry
 
 role, endpoint, job, out = sys.argv[1:5]

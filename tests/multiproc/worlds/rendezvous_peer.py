@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from kernels.nvfp4 import fill_pattern
 from kvown import KVLayout, Outcome, TransferConfig, connect_rendezvous, make_request_id
+from kvown.kernels.nvfp4 import fill_pattern
 
 rank, host, port, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 layout = KVLayout.standard(num_layers=2, num_blocks=32, tokens_per_block=16, num_kv_heads=2, head_dim=64,
