@@ -9,14 +9,13 @@ import time
 import pytest
 import torch
 
+from gpukit import NEEDS_CUDA_KERNELS  # the canary fill at retirement runs kvown's CUDA kernels
+
 from kvown import KVLayout, TransferConfig, WriteTracker, make_request_id
 from kvown.runtime.driver import Driver
 from kvown.testing.local import KillRecorder, local_world
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
-]
+pytestmark = NEEDS_CUDA_KERNELS
 nixl = pytest.importorskip("nixl", reason="nixl is not installed (carry the nixl-cu13 wheel)")
 
 LAYOUT = KVLayout.standard(num_layers=2, num_blocks=16, tokens_per_block=16, num_kv_heads=4, head_dim=64,
