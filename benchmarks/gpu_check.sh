@@ -11,7 +11,7 @@
 #
 # Parts (docs/operations.md, "GPU check"):
 #   kernels  doctor; tests/gpu kernel + canary + pool tests; tests/kernels; kvown bench kernels
-#   vram     VRAM smoke; tests/gpu/test_vram.py (WRITE, CUDA-event gating); demo nvfp4 (2 ranks)
+#   vram     VRAM smoke; tests/gpu/test_vram.py (WRITE, CUDA-event gating), ready-gated release; demo nvfp4
 #   qualify  VRAM smoke; kvown qualify nvfp4; W3 fan-in (5 ranks) at Llama-3.1-8B geometry
 #   bench    VRAM smoke; W1 + W2 vs raw NIXL at Llama-3.1-8B geometry (32 layers, 8 KV heads, head
 #            dim 128, 64-token blocks, bf16: 8 MiB per block)
@@ -155,7 +155,8 @@ part_vram() {
     start_part
     smoke
     vram_only pytest_step vram-write 90 tests/gpu/test_vram.py -k vram_write
-    vram_only pytest_step event-gating 90 tests/gpu/test_vram.py -k event_gating
+    vram_only pytest_step event-gating 90 tests/gpu/test_vram.py tests/gpu/test_release_gpu.py \
+        -k "event_gating or release"
     output demo.json
     step demo-nvfp4 120 "$PY" -m kvown demo --dtype nvfp4 --scale-layout separate --device "$DEVICE" --ranks 2 \
         --requests 300 --deadline-s 100 --json "$OUT/demo.json"

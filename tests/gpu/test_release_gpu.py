@@ -25,7 +25,7 @@ SLEEP_CYCLES = 1_000_000_000  # ~0.5 s of GPU time: the decode kernel that still
 
 def _held_while_the_reader_runs() -> bool:
     ranks = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT, device="cuda", kill=KillRecorder(),
-                        config=TransferConfig(transfer_timeout_s=10.0, grace_s=10.0))
+                        config=TransferConfig(transfer_timeout_s=10.0, grace_s=10.0, canary=True))
     try:
         tx, rx = ranks[0], ranks[1]
         rid = make_request_id(4, 1)
