@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvown import make_request_id
-from kvown.integrations.vllm.plan import Cancel, Planner, Receive, Send, transfer_ids
+from kvown.integrations.vllm.plan import Cancel, Planner, Receive, Send, prompt_digest, transfer_ids
 
 BS = 4  # tokens per block
 RID = make_request_id(7, 1)
@@ -16,7 +16,11 @@ RID = make_request_id(7, 1)
 
 def request(req_id="r1", prompt=10, computed=0, **params):
     return SimpleNamespace(request_id=req_id, num_prompt_tokens=prompt, num_computed_tokens=computed,
+                           prompt_token_ids=list(range(prompt)),
                            kv_transfer_params={"kvown_request_id": RID, "kvown_writer": 0, **params})
+
+
+DIGEST = prompt_digest(range(10))
 
 
 def decode() -> Planner:
@@ -33,7 +37,7 @@ def prefill() -> Planner:
 def test_requests_without_valid_ids_are_plain_vllm_requests(params) -> None:
     assert transfer_ids(params) is None
     p = decode()
-    r = SimpleNamespace(request_id="x", num_prompt_tokens=10, num_computed_tokens=0,
+    r = SimpleNamespace(request_id="x", num_prompt_tokens=10, num_computed_tokens=0, prompt_token_ids=[1],
                         kv_transfer_params=None if params is None else {"do_remote_prefill": True, **params})
     assert p.matched_tokens(r, 0) == (0, False)
     p.after_alloc(r, [1, 2, 3], 0, 10)
@@ -47,7 +51,7 @@ def test_decode_loads_every_prompt_block_it_lacks() -> None:
     assert p.matched_tokens(r, 4) == (6, True)  # side-effect free: asked again with a local hit
     p.after_alloc(r, [20, 21, 22, 23], 0, 10)  # a lookahead block more than the 3 the prompt needs
     plan = p.build({}, lambda _: [])
-    assert plan.receives == [Receive("r1", RID, 0, (20, 21, 22))]
+    assert plan.receives == [Receive("r1", RID, 0, (20, 21, 22), DIGEST)]
     assert p.build({}, lambda _: []).empty()  # shipped once
 
 
@@ -55,7 +59,7 @@ def test_a_partial_local_hit_receives_only_the_missing_tail() -> None:
     p = decode()
     r = request(do_remote_prefill=True)
     p.after_alloc(r, [31, 32], 1, 6)  # block 0 is a local prefix-cache hit
-    assert p.build({}, lambda _: []).receives == [Receive("r1", RID, 0, (31, 32))]
+    assert p.build({}, lambda _: []).receives == [Receive("r1", RID, 0, (31, 32), DIGEST)]
 
 
 def test_a_full_local_hit_tells_the_writer_and_parks_nothing() -> None:
@@ -104,7 +108,7 @@ def test_prefill_sends_in_the_step_that_completes_the_prompt_and_holds_the_block
     blocks = lambda req_id: [5, 6, 7, 8]  # noqa: E731 - one block more than the prompt covers
     assert p.build({"r1": 8}, blocks).sends == []  # a first chunk of 8 tokens: not done yet
     r.num_computed_tokens = 8
-    assert p.build({"r1": 2}, blocks).sends == [Send("r1", RID, (5, 6, 7))]
+    assert p.build({"r1": 2}, blocks).sends == [Send("r1", RID, (5, 6, 7), DIGEST)]
     assert p.finished(r) == (True, {"kvown_request_id": RID})  # delay free until released
     p.reported({"r1"}, None)
     assert p.pending()["sends_live"] == 0
@@ -116,3 +120,8 @@ def test_a_prefill_that_ends_before_its_send_opened_only_fences_it() -> None:
     p.after_alloc(r, [], 0, 0)
     assert p.finished(r) == (False, None)  # aborted during prefill: nothing to hold
     assert p.build({}, lambda _: []).send_cancels == [Cancel("r1", RID)]
+
+
+def test_the_prompt_digest_tells_prompts_apart() -> None:
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) != prompt_digest([1, 2, 4])
+    assert len(prompt_digest([])) == 16 and prompt_digest([2**40]) != prompt_digest([0])

@@ -227,3 +227,36 @@ def test_kv_space_covers_every_layout_vllm_uses() -> None:
     space = kv_space(kernel, NUM_BLOCKS)
     assert space.num_blocks == NUM_BLOCKS and space.block_nbytes == 2 * 2 * 2 * 16 * 4
     assert isinstance(space, BlockSpace) and worker_mod.kv_space is kv_space
+
+
+def _mismatched_prompt(x: Pair) -> Reports:
+    """Prefill and decode disagree on the prompt (a proxy pairing the wrong legs): the KV lands, but the
+    digests differ."""
+    rid = make_request_id(3, 7)
+    x.step(plan_d=StepPlan(receives=[Receive("d", rid, P, (12, 13), b"d" * 16)]))
+    x.step(plan_p=StepPlan(sends=[Send("p", rid, (12, 13), b"p" * 16)]))
+    x.run(lambda: "d" in x.reports[D].recving)
+    return x.reports[D]
+
+
+@pytest.mark.timeout(60)
+def test_kv_of_another_prompt_is_reported_failed_never_decoded(pair) -> None:
+    x = pair()
+    reports = _mismatched_prompt(x)
+    assert "d" in reports.recving and "d" in reports.failed and x.d.prompt_mismatches == 1
+
+
+@pytest.mark.timeout(60)
+def test_the_digest_check_catches_a_worker_that_skips_it(pair, monkeypatch) -> None:
+    x = pair()
+    monkeypatch.setattr(x.d.rt.receiver, "read_aux", lambda handle: b"d" * 16)  # mutant: trust the landing
+    assert "d" not in _mismatched_prompt(x).failed
+
+
+@pytest.mark.timeout(60)
+def test_matching_digests_decode(pair) -> None:
+    x = pair()
+    rid = make_request_id(3, 8)
+    x.step(plan_d=StepPlan(receives=[Receive("d", rid, P, (14,), b"same-prompt-0001")]))
+    x.step(plan_p=StepPlan(sends=[Send("p", rid, (14,), b"same-prompt-0001")]))
+    assert x.run(lambda: "d" in x.reports[D].recving) and x.reports[D].failed == set()

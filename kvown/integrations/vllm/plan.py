@@ -21,16 +21,30 @@ Rules:
      ``delay_free=True``: vLLM keeps the source blocks until the worker reports the send released. A
      request that ends before its send opened only fences the id (``send_cancels``).
   5. ``build`` resets the step's plan and never changes vLLM's objects.
+  6. Both sides name the prompt they mean: a digest of its token ids travels with the KV (kvown's aux
+     payload) and the decode worker compares it with its own before the request may decode, so a
+     pairing or tokenisation mismatch fails the request instead of serving another prompt's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvown.core.ids import is_valid_request_id
 from kvown.core.messages import MAX_RANK
+
+
+DIGEST_NBYTES = 16
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """Rule 6: what both sides compute from the prompt's token ids (16 bytes of BLAKE2b)."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=DIGEST_NBYTES).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,7 @@ class Receive:
     request_id: int  # kvown's
     writer: int
     blocks: tuple[int, ...]
+    digest: bytes = b""  # rule 6: the prompt this destination is for
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +61,7 @@ class Send:
     req_id: str
     request_id: int
     blocks: tuple[int, ...]
+    digest: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +138,8 @@ class Planner:
         if need < 1 or len(unhashed_blocks) < need:  # vLLM allocated otherwise than assumed: do not load
             self._plan.cancels.append(Cancel(req_id, rid, (writer,), report=True))
             return
-        self._recv_new[req_id] = Receive(req_id, rid, writer, tuple(unhashed_blocks[:need]))
+        self._recv_new[req_id] = Receive(req_id, rid, writer, tuple(unhashed_blocks[:need]),
+                                         prompt_digest(request.prompt_token_ids))
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished`` (called once per request, abort included)."""
@@ -157,7 +174,7 @@ class Planner:
                 blocks = tuple(block_ids_of(req_id)[: math.ceil(request.num_prompt_tokens / self.block_size)])
                 del self._sendable[req_id]
                 self._sent[req_id] = rid
-                self._plan.sends.append(Send(req_id, rid, blocks))
+                self._plan.sends.append(Send(req_id, rid, blocks, prompt_digest(request.prompt_token_ids)))
 
     # ---- every step ---------------------------------------------------------------------------
 

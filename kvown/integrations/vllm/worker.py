@@ -20,6 +20,8 @@ Rules:
      writer kvown has not loaded yet waits (bounded by ``connect_timeout_s``) across steps.
   5. A kvown fail-stop kills this worker (its flight recorder written first): vLLM's engine then exits.
      That is the only way a destination whose writer cannot be proven quiescent is ever let go.
+  6. A delivered receive whose prompt digest (the writer's aux payload) differs from the decode
+     side's is reported failed: the KV is another prompt's, and is never decoded.
 """
 
 from __future__ import annotations
@@ -110,8 +112,10 @@ class _Recv:
     writer: int
     blocks: tuple[int, ...]
     since_s: float
+    digest: bytes = b""
     ticket: Any = None  # kvown's receive ticket, once submitted
     handle: Any = None
+    mismatch: bool = False  # rule 6
 
 
 @dataclass
@@ -144,6 +148,7 @@ class WorkerSide:
         self._sends: dict[str, _Send] = {}
         self._finished: set[str] = set()  # finished in vLLM, with a send of ours not yet reported
         self._now: Reports = Reports()  # reported at the next step without waiting for kvown
+        self.prompt_mismatches = 0
 
     def start(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
         """Join the kvown world with vLLM's KV tensors (``register_kv_caches``). Once per worker."""
@@ -163,7 +168,7 @@ class WorkerSide:
     def act(self, plan: StepPlan) -> None:
         """Receives and cancels (``start_load_kv``): none of it waits for the engine (rule 4)."""
         for r in plan.receives:
-            self._recvs[r.req_id] = _Recv(r.req_id, r.request_id, r.writer, r.blocks, self.clock())
+            self._recvs[r.req_id] = _Recv(r.req_id, r.request_id, r.writer, r.blocks, self.clock(), r.digest)
         for c in plan.cancels:
             self._cancel_receive(c)
         for c in plan.send_cancels:
@@ -210,7 +215,8 @@ class WorkerSide:
                     r.handle = False  # never published: reported failed below
                 continue
             try:
-                r.ticket = self.rt.receiver.submit_receive(r.request_id, None, (r.writer,), blocks=r.blocks)
+                r.ticket = self.rt.receiver.submit_receive(r.request_id, None, (r.writer,), blocks=r.blocks,
+                                                           aux=bool(r.digest))
             except KvownError:
                 r.handle = False
 
@@ -227,10 +233,13 @@ class WorkerSide:
             return False
         if h.retired.is_set():
             out.recving.add(r.req_id)
-            if h.result() is not Outcome.COMPLETED:
+            if h.result() is not Outcome.COMPLETED or r.mismatch:
                 out.failed.add(r.req_id)
             return True
         if h.landed.is_set() and not h.closing:
+            if r.digest and self.rt.receiver.read_aux(h)[: len(r.digest)] != r.digest:  # rule 6
+                r.mismatch = True
+                self.prompt_mismatches += 1
             self._guarded(lambda: self.rt.receiver.release(r.request_id))
         return False
 
@@ -251,7 +260,7 @@ class WorkerSide:
 
     def _open_send(self, s: Send, token: Any) -> None:
         try:
-            handle = self.rt.sender.send(s.request_id, s.blocks, ready=token, dst_suffix=True)
+            handle = self.rt.sender.send(s.request_id, s.blocks, ready=token, dst_suffix=True, aux=s.digest or None)
         except KvownError:
             handle = None  # refused: nothing was posted; the source blocks go back when vLLM is done
         self._sends[s.req_id] = _Send(s.request_id, handle, self.clock())
@@ -265,7 +274,7 @@ class WorkerSide:
         return None if getattr(result, "status", None) is CloseStatus.REFUSED else result
 
     def statistics(self) -> dict[str, int]:
-        return {"receives": len(self._recvs), "sends": len(self._sends)}
+        return {"receives": len(self._recvs), "sends": len(self._sends), "prompt_mismatches": self.prompt_mismatches}
 
     def close(self) -> None:
         if self.rt is not None:
