@@ -64,6 +64,7 @@ class Connector:
     needs_etcd: bool = False
     baseline_fix: bool = False  # rule 3
     env: Mapping[str, str] = field(default_factory=dict)
+    requires: str | None = None  # "module:attribute" the vLLM venv must import (checked before start)
 
     def instance_env(self) -> dict[str, str]:
         return {**self.env, **({BASELINE_FIX_ENV: "1"} if self.baseline_fix else {})}
@@ -102,7 +103,8 @@ def kvown_config(instance: Instance, stack: StackInfo) -> dict[str, Any]:
 
 
 CONNECTORS: dict[str, Connector] = {
-    "kvown": Connector("kvown", kvown_config, legs.kvown_legs, needs_etcd=True),
+    "kvown": Connector("kvown", kvown_config, legs.kvown_legs, needs_etcd=True,
+                       requires="kvown.integrations.vllm:KvownConnector"),
     "nixl": Connector("nixl", nixl_config("NixlConnector"), legs.pull_legs, baseline_fix=True),
     "nixl-push": Connector("nixl-push", nixl_config("NixlPushConnector"), legs.push_legs, baseline_fix=True),
 }

@@ -76,6 +76,17 @@ def build_model(vllm_python: str, out: Path, timeout_s: float = 300.0) -> Path:
     return out
 
 
+def check_importable(vllm_python: str, target: str, timeout_s: float = 180.0) -> None:
+    """Raise ConfigError unless ``module:attribute`` imports in the vLLM venv (a connector's class)."""
+    module, attr = target.split(":")
+    code = f"import importlib; getattr(importlib.import_module({module!r}), {attr!r})"
+    r = subprocess.run([vllm_python, "-c", code], env=child_env({}), capture_output=True, text=True,
+                       timeout=timeout_s)
+    if r.returncode != 0:
+        raise ConfigError(f"{target} does not import in the vLLM venv: {r.stderr.strip()[-300:]}",
+                          field="connector", fix="this build has no such connector; choose another")
+
+
 @dataclass
 class StackOptions:
     connector: str | None = "nixl"  # None: one plain instance (--single)
@@ -202,6 +213,8 @@ class VllmStack:
         o = self.options
         deadline = time.monotonic() + o.start_timeout_s
         try:
+            if self.spec is not None and self.spec.requires:
+                check_importable(self.vllm_python, self.spec.requires)
             self.model = o.model or str(build_model(self.vllm_python, self.run_dir / "model"))
             if self.spec is None:
                 single = self._spawn(self._instance("single-0", "single"), None, o.omp_bind[1])
