@@ -55,10 +55,6 @@ def counter(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def aborted(url: str) -> float:
-    return counter(url, "vllm:request_success_total", finished_reason="abort")
-
-
 def kv_usage(url: str) -> float:
     return counter(url, "vllm:kv_cache_usage_perc")
 

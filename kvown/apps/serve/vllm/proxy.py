@@ -15,7 +15,8 @@ Rules:
      before the first byte, an error event in the stream after it).
   3. ``/health`` is 503 until a warm-up completion went through the whole plan, and afterwards unless
      every instance answers its own ``/health``: ready means a completion can be served.
-  4. Every upstream call is bounded (connect and read timeouts); request ids are never reused.
+  4. Every upstream call is bounded (connect and read timeouts); request ids are never reused, and the
+     answer carries the legs' ``X-Request-Id`` (vLLM's logs name the request by it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -128,7 +130,7 @@ class Proxy:
         finally:
             await _close(answer, read, failed)
         self.requests.labels("completed").inc()
-        return Response(raw, media_type="application/json")
+        return Response(raw, media_type="application/json", headers={"X-Request-Id": req.header_id})
 
     async def _relay(self, answer: lg.Answer) -> AsyncIterator[bytes]:
         """D's stream to the client; a failed companion ends it with an error event (rule 2)."""
@@ -186,7 +188,8 @@ class Proxy:
             return JSONResponse(error.body, status_code=error.status)
         if isinstance(result, Response):
             return result
-        return api.ClosingStream(self._relay(result), on_close=lambda: None, media_type="text/event-stream")
+        return api.ClosingStream(self._relay(result), on_close=lambda: None, media_type="text/event-stream",
+                                 headers={"X-Request-Id": req.header_id})
 
     async def warm_up(self) -> None:
         """Rule 3: ready once one completion went through the plan (bounded by warmup_timeout_s)."""
@@ -257,7 +260,9 @@ async def _close(answer: lg.Answer, *tasks: asyncio.Task[Any]) -> None:
     await answer.response.aclose()
 
 
-def serve_proxy(spec: ProxySpec) -> int:
+def bind(spec: ProxySpec) -> tuple[Proxy, socket.socket, str]:
+    """The proxy, its listening socket and URL; the app's lifespan owns the upstream client and the
+    warm-up. ``serve_proxy`` runs it; tests run the app in a thread."""
     proxy = Proxy(spec)
     sock = api.listen(spec.host, spec.port)
     url = f"http://{spec.host}:{sock.getsockname()[1]}"
@@ -274,6 +279,11 @@ def serve_proxy(spec: ProxySpec) -> int:
             warm.cancel()
 
     proxy.app.router.lifespan_context = lifespan
+    return proxy, sock, url
+
+
+def serve_proxy(spec: ProxySpec) -> int:
+    proxy, sock, _ = bind(spec)
     return api.serve_app(proxy.app, sock, lambda: None)
 
 

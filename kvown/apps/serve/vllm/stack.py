@@ -145,6 +145,12 @@ class VllmProcess:
             time.sleep(0.5)
         raise AdapterError(f"vLLM {self.instance.name} not healthy in time", log=self.log_tail())
 
+    def aborted(self, header_id: str) -> bool:
+        """Whether this instance logged the abort of the request whose X-Request-Id is ``header_id``
+        (vLLM logs it with --enable-log-requests; its ids embed the header)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return any(header_id in line for line in text.splitlines() if "Aborted request" in line)
+
     def log_tail(self, nbytes: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-nbytes:] if self.log_path.exists() else ""
 
@@ -189,7 +195,8 @@ class VllmStack:
         argv = [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--served-model-name", o.model_name, "--host", "127.0.0.1", "--port", str(inst.http_port),
                 "--enforce-eager", "--dtype", o.dtype, "--max-model-len", str(o.max_model_len),
-                "--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes), "--seed", str(o.seed)]
+                "--kv-cache-memory-bytes", str(o.kv_cache_memory_bytes), "--seed", str(o.seed),
+                "--enable-log-requests"]  # "Aborted request(s) ID." in the log: how tests see an abort
         if o.block_size is not None:
             argv += ["--block-size", str(o.block_size)]
         if kv_config is not None:
