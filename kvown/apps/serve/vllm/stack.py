@@ -57,6 +57,22 @@ def find_vllm_python(explicit: str | None = None) -> str:
                       fix=f"make vllm-setup (builds .venv-vllm), or set {VLLM_PYTHON_ENV}")
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, read from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -166,11 +182,10 @@ class VllmProcess:
         while time.monotonic() < deadline:  # until the last of the group is gone (rule 1)
             try:
                 self.proc.wait(timeout=0.1)
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
             except subprocess.TimeoutExpired:
-                pass
+                continue
+            if not group_members(self.proc.pid):
+                return
             time.sleep(0.05)
 
 
