@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,10 +74,22 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_PORTS = random.Random()
+
+
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free loopback port below the kernel's ephemeral range (32768-60999 by default): a port taken
+    from bind(0) is an ephemeral one that an outgoing connection may grab before vLLM binds it (a
+    NIXL side channel failed that way). Raises AdapterError after 200 tries."""
+    for _ in range(200):
+        port = _PORTS.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AdapterError("no free port", low=low, high=high)
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
