@@ -43,6 +43,7 @@ from kvown.apps.serve.vllm.connectors import Instance, connector
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 WARMUP_BODY = {"prompt": "warm up", "max_tokens": 1, "temperature": 0}
+WARMUP_ATTEMPT_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -195,14 +196,16 @@ class Proxy:
         """Rule 3: ready once one completion went through the plan (bounded by warmup_timeout_s)."""
         deadline = time.monotonic() + self.spec.warmup_timeout_s
         while time.monotonic() < deadline:
-            try:
-                r = await self._whole(self._request("/v1/completions", dict(WARMUP_BODY)))
+            try:  # one attempt is bounded: a first request lost to a connector's handshake (NIXL push:
+                # its 30 s lease can expire before the handshake ends) must not end the warm-up
+                attempt = self._whole(self._request("/v1/completions", dict(WARMUP_BODY)))
+                r = await asyncio.wait_for(attempt, WARMUP_ATTEMPT_S)
                 if r.status_code == 200:
                     self.ready_reason = None
                     return
                 self.ready_reason = f"warm-up completion answered HTTP {r.status_code}"
-            except (lg.LegError, httpx.HTTPError) as error:
-                self.ready_reason = f"warm-up completion failed: {error}"
+            except (lg.LegError, httpx.HTTPError, TimeoutError) as error:
+                self.ready_reason = f"warm-up completion failed: {type(error).__name__} {error}"
             await asyncio.sleep(0.5)
         self.ready_reason = f"no completion within {self.spec.warmup_timeout_s:.0f} s: {self.ready_reason}"
 
