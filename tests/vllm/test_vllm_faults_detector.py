@@ -72,7 +72,7 @@ def test_leaving_is_abandoned_and_the_upstream_sees_it():
     d = FakeVllm("d", token_delay_s=0.05)
     with AppThread(d.app()) as t:
         url = f"http://127.0.0.1:{t.port}"
-        status, ids, _ = asyncio.run(_one(url, leave_after_s=0.3))
+        status, _, _ = asyncio.run(_one(url, leave_after_s=0.3))
         done = asyncio.run(_one(url, bound_s=10))
         import time
 

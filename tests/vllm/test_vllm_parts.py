@@ -4,6 +4,7 @@ an instance's group survives). Safety checks come with their mutants."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -135,10 +136,8 @@ def group_gone_after_stop(tmp_path) -> bool:
         p.stop(grace_s=1.0)
         return not st.group_members(p.pid)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_stop_leaves_no_process_of_the_group(tmp_path):

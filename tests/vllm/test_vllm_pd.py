@@ -15,6 +15,19 @@ from vllmkit import complete, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128  # vLLM's CPU default block size (the stacks do not override it)
+PUSH_LOST = ("NixlPushConnector lost the request: D's registration reached P after P's 30 s lease had "
+             "expired, and D waits for a WRITE that never comes (vllm#46283); seen under load here")
+
+
+def via(stack, prompt, max_tokens: int, *, stream: bool = False) -> list[int]:
+    """Greedy token ids through the P/D proxy. A request NixlPushConnector never ends is an expected
+    failure of vLLM's push mode (PUSH_LOST); a wrong token is always a failure."""
+    try:
+        return complete(stack.url, prompt, max_tokens, stream=stream, timeout_s=90)[0]
+    except httpx.ReadTimeout:
+        if stack.options.connector == "nixl-push":
+            pytest.xfail(PUSH_LOST)
+        raise
 
 
 @pytest.fixture(scope="module", params=["nixl", "nixl-push"])
@@ -31,16 +44,14 @@ def _url(stack, name: str) -> str:
 @pytest.mark.parametrize("n_tokens", [11, 4 * BLOCK + 57])
 def test_short_and_multi_block_prompts(pd, single_stack, n_tokens, stream):
     prompt = token_prompt(n_tokens, seed=100 + n_tokens)
-    ids, _, _ = complete(pd.url, prompt, 20, stream=stream)
-    assert ids == complete(single_stack.url, prompt, 20)[0]
+    assert via(pd, prompt, 20, stream=stream) == complete(single_stack.url, prompt, 20)[0]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_full_prefix_hit_on_decode_only(pd, single_stack, stream):
     prompt = token_prompt(3 * BLOCK + 5, seed=7 + stream)
     primed = complete(_url(pd, "decode-0"), prompt, 20)[0]  # D caches the prompt's blocks; P has none
-    ids, _, _ = complete(pd.url, prompt, 20, stream=stream)
-    assert ids == primed == complete(single_stack.url, prompt, 20)[0]
+    assert via(pd, prompt, 20, stream=stream) == primed == complete(single_stack.url, prompt, 20)[0]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -48,7 +59,7 @@ def test_partial_prefix_hit_on_decode(pd, single_stack, stream):
     prefix = token_prompt(2 * BLOCK, seed=11 + stream)
     complete(_url(pd, "decode-0"), prefix, 4)  # D holds the first two blocks
     prompt = prefix + token_prompt(BLOCK + 40, seed=12 + stream)
-    ids, _, _ = complete(pd.url, prompt, 20, stream=stream)
+    ids = via(pd, prompt, 20, stream=stream)
     assert ids == complete(single_stack.url, prompt, 20)[0]
     assert ids == complete(_url(pd, "prefill-0"), prompt, 20)[0]
 
@@ -56,7 +67,12 @@ def test_partial_prefix_hit_on_decode(pd, single_stack, stream):
 def test_chat_equals_single(pd, single_stack):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "quiet river " * 50}],
             "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    got = httpx.post(f"{pd.url}/v1/chat/completions", json=body, timeout=180)
+    try:
+        got = httpx.post(f"{pd.url}/v1/chat/completions", json=body, timeout=90)
+    except httpx.ReadTimeout:
+        if pd.options.connector == "nixl-push":
+            pytest.xfail(PUSH_LOST)
+        raise
     want = httpx.post(f"{single_stack.url}/v1/chat/completions", json=body, timeout=180)
     assert got.status_code == want.status_code == 200, got.text
     assert got.json()["choices"][0]["message"]["content"] == want.json()["choices"][0]["message"]["content"]
@@ -65,14 +81,19 @@ def test_chat_equals_single(pd, single_stack):
 def test_client_disconnect_mid_stream_aborts_decode(pd):
     body = {"model": "tiny", "prompt": token_prompt(40, seed=5), "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{pd.url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        header_id = r.headers["x-request-id"]
-        chunks = 0
-        for line in r.iter_lines():
-            chunks += line.startswith("data: {")
-            if chunks >= 3:
-                break  # leave mid-stream: the context manager closes the connection
+    try:
+        with httpx.stream("POST", f"{pd.url}/v1/completions", json=body, timeout=90) as r:
+            assert r.status_code == 200
+            header_id = r.headers["x-request-id"]
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 3:
+                    break  # leave mid-stream: the context manager closes the connection
+    except httpx.ReadTimeout:
+        if pd.options.connector == "nixl-push":
+            pytest.xfail(PUSH_LOST)
+        raise
     decode = pd.instances["decode-0"]
     deadline = time.monotonic() + 20  # 1,500 tokens take ~25 s: an abort, not the end, within 20 s
     while not decode.aborted(header_id) and time.monotonic() < deadline:

@@ -187,7 +187,7 @@ def test_prefill_disconnect_check_catches_a_proxy_deaf_to_disconnects(monkeypatc
 
 def health_waits_for_a_completion() -> bool:
     d = FakeVllm("d", fail_status=503)
-    with proxied(None, None, d, ready=False) as (url, proxy):
+    with proxied(None, None, d, ready=False) as (url, _):
         time.sleep(0.8)
         early = httpx.get(f"{url}/health", timeout=5)
         d.fail_status = None
@@ -232,7 +232,8 @@ def test_connector_configs():
     assert CONNECTORS["nixl-push"].kv_config(info.decode, info)["kv_role"] == "kv_consumer"
     kv = CONNECTORS["kvown"].kv_config(info.decode, info)
     assert kv["kv_connector_module_path"] == "kvown.integrations.vllm" and kv["kv_role"] == "kv_consumer"
-    assert kv["kv_connector_extra_config"] == {"etcd": "http://127.0.0.1:2379", "cluster": "c", "name": "decode-0"}
+    extra = {"etcd": "http://127.0.0.1:2379", "cluster": "c", "name": "decode-0"}
+    assert kv["kv_connector_extra_config"] == extra
     assert CONNECTORS["nixl"].instance_env() == {BASELINE_FIX_ENV: "1"}
     assert CONNECTORS["kvown"].instance_env() == {}  # kvown runs its own agent: no baseline fix
     with pytest.raises(ConfigError) as e:

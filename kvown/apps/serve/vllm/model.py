@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvown.core.errors import ConfigError
 
-WORDS = (
+WORDS = (  # noqa: SIM905 (one word list, easier to read as text)
     "the of and to in is was for on that with as by at from his her they this are an be or had not "
     "but which one you all were we there their been has have more when who will time would into only "
     "about some than then them these so can may other after first new two years over most also made "

@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -156,10 +157,8 @@ class VllmProcess:
 
     def signal(self, sig: int) -> None:
         """Signal the whole group (API server, EngineCore, Worker): the fault matrix's kill / stop."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def wait_healthy(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -186,10 +185,8 @@ class VllmProcess:
     def stop(self, grace_s: float) -> None:
         for sig in (signal.SIGCONT, signal.SIGTERM):  # SIGCONT: a SIGSTOPped group must see the TERM
             self.signal(sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         self.signal(signal.SIGKILL)  # the engine and worker too, even when the API server is gone
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:  # until the last of the group is gone (rule 1)
