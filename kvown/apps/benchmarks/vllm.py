@@ -4,7 +4,8 @@ at concurrency 1, 4 and 16, per connector and for the single instance, same prom
     kvown bench vllm [--connectors single,nixl,nixl-push,kvown] [--requests N] [--json P] [--plot P]
                      [--faults]   (also the fault matrix, kvown/apps/serve/vllm/faults.py)
 
-Measured at the client, streamed, greedy, ``ignore_eos`` (every request makes ``--max-tokens``):
+Measured at the client, streamed, greedy, ``ignore_eos`` (every request makes ``--max-tokens``); each
+concurrency level has its own prompts (no level hits the prefix cache of the one before):
   - TTFT: request sent -> first token event (p50, p99), ms;
   - ITL: mean gap between a request's token events after the first (p50, p99 over requests), ms;
   - tokens/s: completion tokens of the round / its wall time.
@@ -123,22 +124,21 @@ def ratios(per: dict[str, Any], base: str = "nixl") -> dict[str, Any]:
     return out
 
 
-def run_stack(name: str, model: str, run_dir: Path, pool: list[list[int]], max_tokens: int,
-              concurrency: tuple[int, ...], oracle: list[list[int]] | None) -> tuple[dict[str, Any], list[list[int]]]:
+def run_stack(name: str, model: str, run_dir: Path, pools: dict[int, list[list[int]]], max_tokens: int,
+              oracle: dict[int, list[list[int]]] | None) -> tuple[dict[str, Any], dict[int, list[list[int]]]]:
     from kvown.apps.serve.vllm.stack import StackOptions, VllmStack
 
     options = StackOptions(connector=None if name == "single" else name, model=model,
                            run_dir=str(run_dir / name))
     rows: dict[str, Any] = {}
-    answers: list[list[int]] = []
+    answers: dict[int, list[list[int]]] = {}
     t0 = time.monotonic()
     with VllmStack(options) as stack:
         start_s = time.monotonic() - t0
-        for c in concurrency:
+        for c, pool in pools.items():
             rnd = asyncio.run(round_at(stack.url, pool, c, max_tokens))
-            rows[str(c)] = summarize(rnd, oracle)
-            if c == concurrency[0]:
-                answers = [r.get("ids", []) for r in rnd["results"]]
+            rows[str(c)] = summarize(rnd, oracle[c] if oracle else None)
+            answers[c] = [r.get("ids", []) for r in rnd["results"]]
             print(f"  {name:<10} c={c:<3} {json.dumps(rows[str(c)])}", file=sys.stderr, flush=True)
     rows["start_s"] = round(start_s, 1)
     return rows, answers
@@ -194,21 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = (1, 4) if a.quick else tuple(int(c) for c in a.concurrency.split(","))
     run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="kvown-bench-vllm-"))
     model = a.model or str(build_model(find_vllm_python(), run_dir / "model"))
-    pool = prompts(n)
+    # one pool per level (seeded by it), the same for every stack: a level must not hit the prefix
+    # cache the level before it filled
+    pools = {c: prompts(n, seed=c) for c in concurrency}
     names = a.connectors.split(",")
     if "single" in names:  # the oracle first (rule 1)
         names = ["single", *[x for x in names if x != "single"]]
     results: dict[str, Any] = {}
     oracle = None
     for name in names:
-        results[name], answers = run_stack(name, model, run_dir, pool, max_tokens, concurrency, oracle)
+        results[name], answers = run_stack(name, model, run_dir, pools, max_tokens, oracle)
         if name == "single":
             oracle = answers
     report = {"benchmark": "vllm", "environment": environment(), "vllm": vllm_versions(),
               "concurrency": list(concurrency),
               "requests_per_level": n, "max_tokens": max_tokens,
-              "prompt_tokens": {"min": min(map(len, pool)), "median": statistics.median(map(len, pool)),
-                                "max": max(map(len, pool))},
+              "prompt_tokens": {str(c): {"min": min(map(len, p)), "median": statistics.median(map(len, p)),
+                                         "max": max(map(len, p))} for c, p in pools.items()},
               "baseline_fix": {"nixl": True, "nixl-push": True,
                                "what": "NIXL UCX progress thread off in vLLM's own NIXL connectors"},
               "results": results, "ratios_to_nixl": ratios({k: {c: v for c, v in r.items() if c != "start_s"}
