@@ -8,7 +8,9 @@ Measured at the client, streamed, greedy, ``ignore_eos`` (every request makes ``
 concurrency level has its own prompts (no level hits the prefix cache of the one before):
   - TTFT: request sent -> first token event (p50, p99), ms;
   - ITL: mean gap between a request's token events after the first (p50, p99 over requests), ms;
-  - tokens/s: completion tokens of the round / its wall time.
+  - tokens/s: completion tokens of the round / its wall time;
+  - errors: requests that failed or sent nothing for ``--request-timeout`` s (60: a NixlConnector READ
+    that never completes has no decode-side timeout, so the client's is the bound).
 Every answer is also compared with the single instance's (token mismatches are reported).
 
 Rules:
@@ -72,7 +74,8 @@ async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens
             "end_s": stamps[-1] - t0}
 
 
-async def round_at(url: str, pool: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def round_at(url: str, pool: list[list[int]], concurrency: int, max_tokens: int,
+                   timeout_s: float = 60.0) -> dict[str, Any]:
     queue = list(enumerate(pool))
     results: dict[int, dict[str, Any]] = {}
 
@@ -82,7 +85,7 @@ async def round_at(url: str, pool: list[list[int]], concurrency: int, max_tokens
             results[i] = await one(client, url, p, max_tokens)
 
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall_s = time.perf_counter() - t0
@@ -125,7 +128,8 @@ def ratios(per: dict[str, Any], base: str = "nixl") -> dict[str, Any]:
 
 
 def run_stack(name: str, model: str, run_dir: Path, pools: dict[int, list[list[int]]], max_tokens: int,
-              oracle: dict[int, list[list[int]]] | None) -> tuple[dict[str, Any], dict[int, list[list[int]]]]:
+              oracle: dict[int, list[list[int]]] | None, timeout_s: float = 60.0,
+              ) -> tuple[dict[str, Any], dict[int, list[list[int]]]]:
     from kvown.apps.serve.vllm.stack import StackOptions, VllmStack
 
     options = StackOptions(connector=None if name == "single" else name, model=model,
@@ -136,7 +140,7 @@ def run_stack(name: str, model: str, run_dir: Path, pools: dict[int, list[list[i
     with VllmStack(options) as stack:
         start_s = time.monotonic() - t0
         for c, pool in pools.items():
-            rnd = asyncio.run(round_at(stack.url, pool, c, max_tokens))
+            rnd = asyncio.run(round_at(stack.url, pool, c, max_tokens, timeout_s))
             rows[str(c)] = summarize(rnd, oracle[c] if oracle else None)
             answers[c] = [r.get("ids", []) for r in rnd["results"]]
             print(f"  {name:<10} c={c:<3} {json.dumps(rows[str(c)])}", file=sys.stderr, flush=True)
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="prompts per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    ap.add_argument("--request-timeout", type=float, default=60.0, help="client bound per request (s)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--json", default=None)
@@ -202,19 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         names = ["single", *[x for x in names if x != "single"]]
     results: dict[str, Any] = {}
     oracle = None
+    report: dict[str, Any] = {}
     for name in names:
-        results[name], answers = run_stack(name, model, run_dir, pools, max_tokens, oracle)
+        results[name], answers = run_stack(name, model, run_dir, pools, max_tokens, oracle, a.request_timeout)
         if name == "single":
             oracle = answers
-    report = {"benchmark": "vllm", "environment": environment(), "vllm": vllm_versions(),
-              "concurrency": list(concurrency),
-              "requests_per_level": n, "max_tokens": max_tokens,
-              "prompt_tokens": {str(c): {"min": min(map(len, p)), "median": statistics.median(map(len, p)),
-                                         "max": max(map(len, p))} for c, p in pools.items()},
-              "baseline_fix": {"nixl": True, "nixl-push": True,
-                               "what": "NIXL UCX progress thread off in vLLM's own NIXL connectors"},
-              "results": results, "ratios_to_nixl": ratios({k: {c: v for c, v in r.items() if c != "start_s"}
-                                                            for k, r in results.items()})}
+        report = make_report(results, pools, concurrency, n, max_tokens)
+        write_json(a.json, report)  # after every stack: a run cut short keeps what it measured
     if a.faults:
         from kvown.apps.serve.vllm import faults
 
@@ -225,6 +224,18 @@ def main(argv: list[str] | None = None) -> int:
         plot(report, a.plot)
     print(json.dumps({k: report[k] for k in ("results", "ratios_to_nixl")}, indent=1))
     return 0
+
+
+def make_report(results: dict[str, Any], pools: dict[int, list[list[int]]], concurrency: tuple[int, ...],
+                n: int, max_tokens: int) -> dict[str, Any]:
+    return {"benchmark": "vllm", "environment": environment(), "vllm": vllm_versions(),
+            "concurrency": list(concurrency), "requests_per_level": n, "max_tokens": max_tokens,
+            "prompt_tokens": {str(c): {"min": min(map(len, p)), "median": statistics.median(map(len, p)),
+                                       "max": max(map(len, p))} for c, p in pools.items()},
+            "baseline_fix": {"nixl": True, "nixl-push": True,
+                             "what": "NIXL UCX progress thread off in vLLM's own NIXL connectors"},
+            "results": results,
+            "ratios_to_nixl": ratios({k: {c: v for c, v in r.items() if c != "start_s"} for k, r in results.items()})}
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import httpx
 
 from kvown.apps.serve.vllm.connectors import connector as connector_spec
 from kvown.apps.serve.vllm.stack import StackOptions, VllmStack
+from kvown.core.errors import KvownError
 
 MAX_TOKENS = 32
 
@@ -194,8 +195,14 @@ class Matrix:
 
     async def destructive(self, cell: str, act: Callable[[VllmStack, Calibration], Awaitable[tuple[str, ...]]],
                           kind: str) -> None:
-        """A fresh stack, one long request with the fault ``act`` applied while it runs, follow-ups."""
-        with self.stack(cell) as stack:
+        """A fresh stack, one long request with the fault ``act`` applied while it runs, follow-ups.
+        A stack that does not start is reported as the cell's error (the matrix goes on)."""
+        try:
+            stack = self.stack(cell).start()
+        except KvownError as error:
+            self.cells.append({"cell": cell, "kind": kind, "error": f"stack did not start: {error}"[:500]})
+            return
+        try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(self.bound_s, connect=5)) as client:
                 cal = await self.calibrate(stack.url, stack.instances["prefill-0"].instance.url, client)
                 victim = asyncio.create_task(self.run(cell, client, stack.url, 3, bound_s=self.bound_s))
@@ -203,6 +210,8 @@ class Matrix:
                 await victim
                 await self.follow_up(cell, client, stack.url)
                 self.cells.append({"cell": cell, "kind": kind, **await self.settle(stack, client, killed)})
+        finally:
+            stack.stop()
 
     async def all_cells(self) -> None:
         with self.stack("aborts") as stack:
