@@ -114,11 +114,12 @@ class Matrix:
         self.run_dir, self.bound_s, self.idle_s, self.quick = run_dir, bound_s, idle_s, quick
         self.outcomes: list[Outcome] = []
         self.cells: list[dict[str, Any]] = []
+        self.stack_dirs: list[Path] = []
         self.rng = random.Random(1)
 
     def stack(self, tag: str) -> VllmStack:
-        return VllmStack(StackOptions(connector=self.connector, model=self.model,
-                                      run_dir=str(self.run_dir / f"{self.connector}-{tag}")))
+        self.stack_dirs.append(self.run_dir / f"{self.connector}-{tag}")
+        return VllmStack(StackOptions(connector=self.connector, model=self.model, run_dir=str(self.stack_dirs[-1])))
 
     async def calibrate(self, url: str, prefill_url: str, client: httpx.AsyncClient) -> Calibration:
         long = self.prompts[3]
@@ -265,7 +266,23 @@ class Matrix:
                 "leaked_cells": [c["cell"] for c in self.cells if c.get("leaked")],
                 "fail_stops": sorted({d for c in self.cells for d in c.get("fail_stops", [])}),
                 "cells": self.cells, "calibration": getattr(self, "calibration", None),
+                "logs": {d.name: log_signals(d) for d in self.stack_dirs},
                 "outcomes": [asdict(x) | {"ids": None} for x in o]}
+
+
+# what vLLM's own logs confess (read after the run, no patch): a lease that expired with the blocks
+# unread, a notification for blocks already released (the read-after-free window), aborts, crashes
+LOG_SIGNALS = {"lease_expired": "Releasing expired KV blocks", "read_after_release": "Potentially invalid KV blocks",
+               "aborted": "Aborted request", "tracebacks": "Traceback (most recent call last)"}
+
+
+def log_signals(run_dir: Path) -> dict[str, dict[str, int]]:
+    """Per instance log under ``run_dir``: how often each of ``LOG_SIGNALS`` appears."""
+    out = {}
+    for log in sorted(run_dir.glob("*-0.log")):
+        text = log.read_text(errors="replace")
+        out[log.stem] = {k: text.count(v) for k, v in LOG_SIGNALS.items()}
+    return out
 
 
 async def kv_usage(client: httpx.AsyncClient, url: str) -> float | None:
