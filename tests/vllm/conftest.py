@@ -4,11 +4,10 @@ Every stack is stopped by its fixture, process groups and all (stack.py rule 1).
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
+from vllmkit import running
 
-from kvown.apps.serve.vllm.stack import StackOptions, VllmStack, build_model, find_vllm_python
+from kvown.apps.serve.vllm.stack import build_model, find_vllm_python
 from kvown.core.errors import ConfigError
 
 
@@ -23,12 +22,6 @@ def vllm_python() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python, tmp_path_factory) -> str:
     return str(build_model(vllm_python, tmp_path_factory.mktemp("tiny-model")))
-
-
-@contextlib.contextmanager
-def running(connector: str | None, model: str, run_dir, **kw):
-    with VllmStack(StackOptions(connector=connector, model=model, run_dir=str(run_dir), **kw)) as stack:
-        yield stack
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import running
-from vllmkit import complete, token_prompt
+from vllmkit import complete, running, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128  # vLLM's CPU default block size (the stacks do not override it)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import running
-from vllmkit import complete, token_prompt
+from vllmkit import complete, running, token_prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -3,6 +3,7 @@ and vLLM's own Prometheus counters (how a test sees that vLLM aborted a request)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -10,6 +11,14 @@ import re
 import httpx
 
 from kvown.apps.serve.vllm.model import WORDS
+from kvown.apps.serve.vllm.stack import StackOptions, VllmStack
+
+
+@contextlib.contextmanager
+def running(connector: str | None, model: str, run_dir, **kw):
+    """A stack for a fixture: started, yielded, always stopped."""
+    with VllmStack(StackOptions(connector=connector, model=model, run_dir=str(run_dir), **kw)) as stack:
+        yield stack
 
 
 def text_prompt(n_words: int, seed: int) -> str:
