@@ -115,20 +115,30 @@ class Matrix:
         self.outcomes: list[Outcome] = []
         self.cells: list[dict[str, Any]] = []
         self.stack_dirs: list[Path] = []
+        self.notes: list[str] = []
         self.rng = random.Random(1)
+        self.on_cell: Callable[[], None] = lambda: None  # called after every cell (run() saves the JSON)
 
     def stack(self, tag: str) -> VllmStack:
         self.stack_dirs.append(self.run_dir / f"{self.connector}-{tag}")
         return VllmStack(StackOptions(connector=self.connector, model=self.model, run_dir=str(self.stack_dirs[-1])))
 
     async def calibrate(self, url: str, prefill_url: str, client: httpx.AsyncClient) -> Calibration:
+        """Time P's answer and the proxy's TTFT for the long prompt; a failure (a request the connector
+        loses) falls back to 0.5 s / 1 s, and the report says so."""
         long = self.prompts[3]
-        t0 = time.monotonic()
-        await client.post(f"{prefill_url}/v1/completions", json={"model": "tiny", "prompt": long, "max_tokens": 1})
-        prefill_s = time.monotonic() - t0
-        t0 = time.monotonic()
-        await stream_one(client, url, long, leave_after_tokens=1, bound_s=self.bound_s)
-        return Calibration(prefill_s, max(time.monotonic() - t0, prefill_s))
+        try:
+            t0 = time.monotonic()
+            await client.post(f"{prefill_url}/v1/completions", json={"model": "tiny", "prompt": long, "max_tokens": 1})
+            prefill_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            status, _, _ = await stream_one(client, url, long, leave_after_tokens=1, bound_s=self.bound_s)
+            if status != "abandoned":
+                raise RuntimeError(f"calibration request {status}")
+            return Calibration(prefill_s, max(time.monotonic() - t0, prefill_s))
+        except (httpx.HTTPError, RuntimeError) as error:
+            self.notes.append(f"calibration failed ({type(error).__name__}: {error}); aimed with 0.5 s / 1 s")
+            return Calibration(0.5, 1.0)
 
     def record(self, cell: str, prompt: int, result: tuple[str, list[int], str], seconds: float) -> None:
         status, ids, detail = result
@@ -158,6 +168,7 @@ class Matrix:
             await self.follow_up(cell, client, stack.url)
             self.cells.append({"cell": cell, "aim": {k: round(v, 3) for k, v in aim.items()},
                                **await self.settle(stack, client)})
+            self.on_cell()
 
     async def burst(self, stack: VllmStack, client: httpx.AsyncClient, cal: Calibration) -> None:
         n = 18 if self.quick else 54
@@ -211,8 +222,11 @@ class Matrix:
                 await victim
                 await self.follow_up(cell, client, stack.url)
                 self.cells.append({"cell": cell, "kind": kind, **await self.settle(stack, client, killed)})
+        except (httpx.HTTPError, KvownError, RuntimeError) as error:  # the cell's error; the matrix goes on
+            self.cells.append({"cell": cell, "kind": kind, "error": f"{type(error).__name__}: {error}"[:500]})
         finally:
             stack.stop()
+            self.on_cell()
 
     async def all_cells(self) -> None:
         with self.stack("aborts") as stack:
@@ -265,7 +279,7 @@ class Matrix:
                 "token_mismatches": sum(1 for x in o if x.mismatch),
                 "leaked_cells": [c["cell"] for c in self.cells if c.get("leaked")],
                 "fail_stops": sorted({d for c in self.cells for d in c.get("fail_stops", [])}),
-                "cells": self.cells, "calibration": getattr(self, "calibration", None),
+                "cells": self.cells, "calibration": getattr(self, "calibration", None), "notes": self.notes,
                 "logs": {d.name: log_signals(d) for d in self.stack_dirs},
                 "outcomes": [asdict(x) | {"ids": None} for x in o]}
 
@@ -307,7 +321,7 @@ async def oracle_of(prompts: list[list[int]], model: str, run_dir: Path) -> dict
 
 
 def run(connectors: list[str], model: str | None, run_dir: Path, *, quick: bool = False,
-        bound_s: float = 90.0, idle_s: float = 45.0) -> dict[str, Any]:
+        bound_s: float = 90.0, idle_s: float = 45.0, json_path: str | None = None) -> dict[str, Any]:
     from kvown.apps.serve.vllm.stack import build_model, find_vllm_python
 
     model = model or str(build_model(find_vllm_python(), run_dir / "model"))
@@ -318,8 +332,18 @@ def run(connectors: list[str], model: str | None, run_dir: Path, *, quick: bool 
     for name in connectors:
         m = Matrix(name, model, oracle, prompts, run_dir, bound_s=bound_s, idle_s=idle_s, quick=quick)
         t0 = time.monotonic()
-        asyncio.run(m.all_cells())
-        report["connectors"][name] = {**m.summary(), "seconds": round(time.monotonic() - t0, 1)}
+
+        def save(m: Matrix = m, name: str = name, t0: float = t0) -> None:  # a run cut short keeps its cells
+            report["connectors"][name] = {**m.summary(), "seconds": round(time.monotonic() - t0, 1)}
+            if json_path:
+                Path(json_path).write_text(json.dumps(report, indent=1))
+
+        m.on_cell = save
+        try:
+            asyncio.run(m.all_cells())
+        except (httpx.HTTPError, KvownError, RuntimeError) as error:  # the aborts stack itself failed
+            m.notes.append(f"matrix stopped: {type(error).__name__}: {error}"[:500])
+        save()
     return report
 
 
@@ -345,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="kvown-vllm-faults-"))
-    report = run(a.connectors.split(","), a.model, run_dir, quick=a.quick)
+    report = run(a.connectors.split(","), a.model, run_dir, quick=a.quick, json_path=a.json)
     print(table(report))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
