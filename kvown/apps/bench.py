@@ -67,6 +67,8 @@ REGISTRY: dict[str, Workload] = {
     "serve": Workload("", None, "reference server: TTFT and tokens/s, disaggregated vs single process",
                       script="bench_serve.py"),
     "soak": Workload("kvown.apps.soak", None, "soak: --minutes N of the demo workload with faults; leaks, RSS, fences"),
+    "vllm": Workload("kvown.apps.benchmarks.vllm", None, "real vLLM P/D: TTFT, ITL, tokens/s at c=1/4/16 per connector "
+                     "vs single; --faults adds the fault matrix (needs .venv-vllm; --timeout-s 3600)"),
 }
 
 

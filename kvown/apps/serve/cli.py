@@ -1,12 +1,14 @@
-"""``kvown serve prefill|decode|single|router|local``: the reference disaggregated server's command line.
+"""``kvown serve prefill|decode|single|router|local|vllm``: the reference disaggregated server's command line.
 
-Owns: argument parsing for the five programs and the ``local`` supervisor loop.
+Owns: argument parsing for the five programs and the ``local`` supervisor loop; ``vllm`` (real vLLM
+instances behind kvown's proxy) is handed on to kvown/apps/serve/vllm/cli.py.
 
     kvown serve local --port 8000            etcd + prefill + decode + router on this machine
     kvown serve local --single --port 8000   the same model and seed in one process, no transfer
     kvown serve prefill --etcd http://127.0.0.1:2379 --name prefill-0
     kvown serve decode  --etcd http://127.0.0.1:2379 --name decode-0
     kvown serve router  --etcd http://127.0.0.1:2379 --port 8000
+    kvown serve vllm --connector nixl|nixl-push|kvown [--single] [--model DIR]   real vLLM P/D + proxy
 
 Rules:
   1. Servers launched apart find each other only through etcd (``--etcd``, ``--cluster``).
@@ -23,7 +25,7 @@ import signal
 import sys
 import threading
 
-USAGE = "kvown serve {prefill,decode,single,router,local} [options]"
+USAGE = "kvown serve {prefill,decode,single,router,local,vllm} [options]"
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -172,5 +174,9 @@ def main(argv: list[str]) -> int:
         return _run_router(rest)
     if command == "local":
         return _run_local(rest)
+    if command == "vllm":
+        from kvown.apps.serve.vllm.cli import main as vllm_main
+
+        return vllm_main(rest)
     print(f"kvown serve: unknown program {command!r}; {USAGE}", file=sys.stderr)
     return 2

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from kvown.adapters.registry import wait_for_etcd
@@ -66,6 +67,7 @@ class EtcdProcess:
         self._log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
         self._data_dir: str | None = None
+        self._argv: list[str] = []
 
     def start(self, *, timeout_s: float = 20.0) -> EtcdProcess:
         last: Exception | None = None
@@ -82,41 +84,44 @@ class EtcdProcess:
         client_port, peer_port = _free_port(), _free_port()
         self._data_dir = tempfile.mkdtemp(prefix="kvown-etcd-")
         client, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+        self._argv = [
+            self.binary, "--name", "kvown", "--data-dir", os.path.join(self._data_dir, "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"kvown={peer}", "--log-level", "warn",
+        ]
+        self._launch()
+        self.endpoint = client
+        try:
+            wait_for_etcd(client, timeout_s=timeout_s)
+        except AdapterError:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise AdapterError("etcd exited at start", returncode=self._proc.returncode) from None
+            raise
+
+    def _launch(self) -> None:
+        assert self._data_dir is not None
         log = open(self._log_path or os.path.join(self._data_dir, "etcd.log"), "ab")  # noqa: SIM115
         with log:
             self._proc = subprocess.Popen(
-                [
-                    self.binary,
-                    "--name",
-                    "kvown",
-                    "--data-dir",
-                    os.path.join(self._data_dir, "data"),
-                    "--listen-client-urls",
-                    client,
-                    "--advertise-client-urls",
-                    client,
-                    "--listen-peer-urls",
-                    peer,
-                    "--initial-advertise-peer-urls",
-                    peer,
-                    "--initial-cluster",
-                    f"kvown={peer}",
-                    "--log-level",
-                    "warn",
-                ],
+                self._argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the servers first; etcd stops last
                 preexec_fn=die_with_parent,
             )
-        self.endpoint = client
-        try:
-            wait_for_etcd(client, timeout_s=timeout_s)
-        except AdapterError:
-            if self._proc.poll() is not None:
-                raise AdapterError("etcd exited at start", returncode=self._proc.returncode) from None
-            raise
+
+    def restart(self, *, down_s: float = 0.0, timeout_s: float = 20.0) -> None:
+        """SIGKILL etcd and start it again on the same ports and data directory after ``down_s`` (a
+        fault test's etcd restart; leases survive in the data, as after a real restart)."""
+        if self._proc is None:
+            raise AdapterError("etcd is not running", binary=self.binary)
+        self._proc.kill()
+        self._proc.wait(timeout=10)
+        time.sleep(down_s)
+        self._launch()
+        wait_for_etcd(self.endpoint, timeout_s=timeout_s)
 
     @property
     def pid(self) -> int | None:

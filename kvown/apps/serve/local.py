@@ -35,14 +35,16 @@ _REPO = str(Path(__file__).resolve().parents[3])
 class ServerProcess:
     """One ``kvown serve ROLE`` child. ``url`` is known once ``wait_ready`` returned."""
 
-    def __init__(self, role: str, args: Sequence[str], log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, role: str, args: Sequence[str], log_path: Path, extra_env: dict[str, str] | None = None,
+                 *, argv: Sequence[str] | None = None) -> None:
+        """``argv`` replaces ``python -m kvown serve ROLE ARGS`` (another kvown program that prints READY)."""
         self.role, self.log_path = role, log_path
         env = {**os.environ, **(extra_env or {})}
         env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvown", "serve", role, *args],
+            list(argv) if argv is not None else [sys.executable, "-m", "kvown", "serve", role, *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=self._log,

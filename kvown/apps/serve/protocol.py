@@ -16,9 +16,11 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ from pydantic import (
     ValidationError,
 )
 from starlette.responses import StreamingResponse
+
+from kvown.core.ids import MAX_EPOCH, MAX_SEQ, make_request_id
 
 MAX_BODY_NBYTES = 1 << 20
 MAX_STOP_STRINGS, MAX_STOP_LEN = 4, 64
@@ -58,6 +62,24 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class RequestIds:
+    """Mints kvown request ids for a router or proxy: the epoch is the start time in seconds (it grows
+    across restarts), seq counts from 1; an id is never reused (a retry is a new request)."""
+
+    def __init__(self, epoch: int | None = None) -> None:
+        self.epoch = (int(time.time()) if epoch is None else epoch) & MAX_EPOCH
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            seq = next(self._seq)
+            if seq > MAX_SEQ:  # 4 billion requests in one epoch: start a new one
+                self.epoch, self._seq = self.epoch + 1, itertools.count(2)
+                seq = 1
+            return make_request_id(self.epoch, seq)
 
 
 class ByteTokenizer:
@@ -364,6 +386,13 @@ def cluster_prefix(cluster: str) -> str:
     return f"/kvown/serve/{cluster}/"
 
 
+def model_list(names: Iterable[str], owner: str = "kvown") -> dict[str, Any]:
+    """The body of OpenAI's ``GET /v1/models``."""
+    created = now_s()
+    return {"object": "list",
+            "data": [{"id": n, "object": "model", "created": created, "owned_by": owner} for n in names]}
+
+
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
@@ -388,13 +417,16 @@ class ClosingStream(StreamingResponse):
 
 
 def add_status_routes(app: Any, health: Callable[[], dict[str, Any]], registry: Any) -> None:
-    """``GET /health`` (the server's own JSON) and ``GET /metrics`` (Prometheus text) on ``app``."""
+    """``GET /health`` (the server's own JSON; HTTP 503 unless its ``status`` is ``ok``, so a load
+    balancer's probe says ready only when a completion can be served) and ``GET /metrics``
+    (Prometheus text) on ``app``."""
     from fastapi.responses import Response
     from prometheus_client import generate_latest
 
     @app.get("/health")
-    async def _health() -> dict[str, Any]:
-        return health()
+    async def _health() -> JSONResponse:
+        h = health()
+        return JSONResponse(h, status_code=200 if h.get("status") == "ok" else 503)
 
     @app.get("/metrics")
     async def _metrics() -> Response:

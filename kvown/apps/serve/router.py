@@ -48,7 +48,6 @@ from kvown.apps.serve.protocol import (
     error_response,
     serve_app,
 )
-from kvown.core.ids import MAX_EPOCH, MAX_SEQ, make_request_id
 
 
 @dataclass
@@ -67,8 +66,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.started_ns = time.time_ns()
-        self.epoch = int(time.time()) & MAX_EPOCH  # grows across restarts (a retry mints a new id)
-        self._seq = itertools.count(1)
+        self.ids = api.RequestIds()  # the epoch grows across restarts (a retry mints a new id)
         self._rr = itertools.count()
         self.inflight: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -125,8 +123,8 @@ class Router:
         if self.directory is not None:
             self.directory.stop()
 
-    def pick(self) -> tuple[RankInfo, RankInfo]:
-        """(prefill, decode): least-loaded decode, then a round-robin prefill with the same model."""
+    def candidates(self) -> tuple[list[RankInfo], RankInfo]:
+        """(prefills with the decode's model, least-loaded decode); no side effect (health asks too)."""
         servers = sorted(self.servers().values(), key=lambda i: i.name)
         decodes = [i for i in servers if i.role == "decode"]
         if not decodes:
@@ -143,6 +141,11 @@ class Router:
                 kind="server_error",
                 code="no_server",
             )
+        return prefills, decode
+
+    def pick(self) -> tuple[RankInfo, RankInfo]:
+        """(prefill, decode): least-loaded decode, then a round-robin prefill with the same model."""
+        prefills, decode = self.candidates()
         return prefills[next(self._rr) % len(prefills)], decode
 
     @staticmethod
@@ -158,13 +161,6 @@ class Router:
             )
         return api.Limits(str(meta["model_name"]), int(meta["max_model_len"]), int(meta["max_prompt_tokens"]))
 
-    def _next_id(self) -> int:
-        seq = next(self._seq)
-        if seq > MAX_SEQ:  # 4 billion requests in one epoch: start a new one
-            self.epoch, self._seq = self.epoch + 1, itertools.count(2)
-            seq = 1
-        return make_request_id(self.epoch, seq)
-
     async def _abort(self, prefill: RankInfo, request_id: int) -> None:
         assert self.client is not None
         with contextlib.suppress(httpx.HTTPError):
@@ -179,7 +175,7 @@ class Router:
         body = api.parse_body(raw)
         prefill, decode = self.pick()
         job = api.validate(body, self.limits(decode))
-        request_id = self._next_id()
+        request_id = self.ids.next()
         with self._lock:
             self.inflight[decode.name] = self.inflight.get(decode.name, 0) + 1
         handed_over = False  # once the stream owns the decode slot, its generator gives it back
@@ -306,9 +302,19 @@ class Router:
             done()
             await response.aclose()  # a client that left closes the upstream: the decode server cancels
 
+    def unready(self) -> str | None:
+        """Why a completion cannot be served now (None: it can): the same pairing a request makes."""
+        try:
+            self.limits(self.candidates()[1])
+        except api.ApiError as error:
+            return error.message
+        return None
+
     def health(self) -> dict[str, Any]:
+        reason = self.unready()
         return {
-            "status": "ok",
+            "status": "ok" if reason is None else "starting",
+            "reason": reason,
             "role": "router",
             "name": self.config.name,
             "pid": os.getpid(),
@@ -324,6 +330,12 @@ class Router:
         app = FastAPI(title="kvown serve router", docs_url=None, redoc_url=None)
 
         add_status_routes(app, self.health, self.registry)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            names = {str(i.meta.get("model_name")) for i in self.servers().values()
+                     if i.role == "decode" and isinstance(i.meta.get("model_name"), str)}
+            return api.model_list(sorted(names))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
