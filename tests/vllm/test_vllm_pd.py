@@ -1,5 +1,5 @@
-"""Real vLLM P/D pairs behind kvown's proxy, one module-scoped stack per connector (NixlConnector pull,
-NixlPushConnector; kvown's joins when its connector lands): greedy output equals the single instance's
+"""Real vLLM P/D pairs behind kvown's proxy, one module-scoped stack per connector (kvown's, NixlConnector
+pull, NixlPushConnector): greedy output equals the single instance's
 token for token for vLLM's test_edge_cases.py cases (a prompt shorter than a block, longer than several
 blocks, a full and a partial prefix hit on D only), whole and streamed, chat too; and a client that
 leaves mid-stream makes vLLM abort the decode request. make test-vllm."""
@@ -29,7 +29,7 @@ def via(stack, prompt, max_tokens: int, *, stream: bool = False) -> list[int]:
         raise
 
 
-@pytest.fixture(scope="module", params=["nixl", "nixl-push"])
+@pytest.fixture(scope="module", params=["kvown", "nixl", "nixl-push"])
 def pd(request, tiny_model, tmp_path_factory):
     with running(request.param, tiny_model, tmp_path_factory.mktemp(f"vllm-{request.param}")) as stack:
         yield stack

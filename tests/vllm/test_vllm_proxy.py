@@ -93,7 +93,7 @@ def kvown_legs_overlap(p: FakeVllm, d: FakeVllm) -> bool:
     for ps, ds in zip(p.seen, d.seen, strict=True):
         rid = ps.body["kv_transfer_params"]["kvown_request_id"]
         assert ds.body["kv_transfer_params"] == {"do_remote_prefill": True, "kvown_request_id": rid,
-                                                 "kvown_writer": "prefill-0"}
+                                                 "kvown_writer": 0}
         assert ps.headers["x-request-id"] == ds.headers["x-request-id"]
         rids.add(rid)
     assert len(rids) == 2  # one id per client request, never reused
@@ -109,7 +109,7 @@ def test_kvown_overlap_check_catches_a_sequential_plan(monkeypatch):
         rid = req.request_id
         await legs.prefill(req, {"do_remote_decode": True, "kvown_request_id": rid})
         return lg.Answer(await legs.decode(req, {"do_remote_prefill": True, "kvown_request_id": rid,
-                                                 "kvown_writer": legs.prefill_instance.name}))
+                                                 "kvown_writer": legs.prefill_instance.kvown_rank}))
 
     monkeypatch.setitem(CONNECTORS, "kvown", dataclasses.replace(CONNECTORS["kvown"], legs=sequential))
     assert not kvown_legs_overlap(FakeVllm("p", delay_s=0.5), FakeVllm("d"))

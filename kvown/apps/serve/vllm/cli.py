@@ -25,7 +25,7 @@ from kvown.core.errors import KvownError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvown serve vllm", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--connector", choices=sorted(CONNECTORS), default="nixl")
+    p.add_argument("--connector", choices=sorted(CONNECTORS), default="kvown")
     p.add_argument("--single", action="store_true", help="one plain vLLM instance, no transfer")
     p.add_argument("--model", default=None, help="local HF model directory (default: build the tiny model)")
     p.add_argument("--model-name", default="tiny", help="the name clients send as 'model'")

@@ -44,6 +44,14 @@ class Instance:
     def engine_id(self) -> str:
         return f"kvown-{self.name}"
 
+    @property
+    def kvown_rank(self) -> int:
+        """This instance's kvown rank (one worker per instance: tensor-parallel size 1)."""
+        return KVOWN_RANKS[self.role]
+
+
+KVOWN_RANKS = {"prefill": 0, "decode": 1, "single": 0}
+
 
 @dataclass(frozen=True)
 class StackInfo:
@@ -51,6 +59,7 @@ class StackInfo:
     etcd: str | None  # the endpoint, when the connector needs etcd
     prefill: Instance
     decode: Instance
+    connector_extra: Mapping[str, Any] = field(default_factory=dict)  # knobs for kv_connector_extra_config
 
 
 KvConfigBuilder = Callable[[Instance, StackInfo], dict[str, Any]]
@@ -65,6 +74,7 @@ class Connector:
     baseline_fix: bool = False  # rule 3
     env: Mapping[str, str] = field(default_factory=dict)
     requires: str | None = None  # "module:attribute" the vLLM venv must import (checked before start)
+    job_key: bool = False  # the stack hands every instance one fresh KVOWN_JOB_KEY (kvown's HMAC key)
 
     def instance_env(self) -> dict[str, str]:
         return {**self.env, **({BASELINE_FIX_ENV: "1"} if self.baseline_fix else {})}
@@ -92,19 +102,20 @@ def nixl_config(class_name: str) -> KvConfigBuilder:
 
 def kvown_config(instance: Instance, stack: StackInfo) -> dict[str, Any]:
     """kvown's connector (``kvown.integrations.vllm.KvownConnector``): one kvown rank per vLLM worker,
-    found through etcd under the stack's cluster."""
+    found through etcd under the stack's cluster; the stack's knobs (deadlines, metrics port) ride along."""
     return {
         "kv_connector": "KvownConnector",
         "kv_connector_module_path": "kvown.integrations.vllm",
         "kv_role": _role(instance),
         "engine_id": instance.engine_id,
-        "kv_connector_extra_config": {"etcd": stack.etcd, "cluster": stack.cluster, "name": instance.name},
+        "kv_connector_extra_config": {**stack.connector_extra, "etcd": stack.etcd, "cluster": stack.cluster,
+                                      "rank": instance.kvown_rank},
     }
 
 
 CONNECTORS: dict[str, Connector] = {
     "kvown": Connector("kvown", kvown_config, legs.kvown_legs, needs_etcd=True,
-                       requires="kvown.integrations.vllm:KvownConnector"),
+                       requires="kvown.integrations.vllm:KvownConnector", job_key=True),
     "nixl": Connector("nixl", nixl_config("NixlConnector"), legs.pull_legs, baseline_fix=True),
     "nixl-push": Connector("nixl-push", nixl_config("NixlPushConnector"), legs.push_legs, baseline_fix=True),
 }

@@ -148,13 +148,13 @@ async def push_legs(legs: Legs, req: Request) -> Answer:
 
 async def kvown_legs(legs: Legs, req: Request) -> Answer:
     """kvown (rule 4): P and D at once. P gets ``do_remote_decode`` and the kvown request id; D gets the
-    client's body with ``do_remote_prefill``, the id and the writer's (P's) name, and its stream goes
-    back to the client. If P fails, the proxy aborts D (``Answer.companions``)."""
+    client's body with ``do_remote_prefill``, the id and the writer's (P's) kvown rank, and its stream
+    goes back to the client. If P fails, the proxy aborts D (``Answer.companions``)."""
     rid = req.request_id
     p_task = asyncio.create_task(legs.prefill(req, {"do_remote_decode": True, "kvown_request_id": rid}))
     try:
         d = await legs.decode(req, {"do_remote_prefill": True, "kvown_request_id": rid,
-                                    "kvown_writer": legs.prefill_instance.name})
+                                    "kvown_writer": legs.prefill_instance.kvown_rank})
     except BaseException:
         p_task.cancel()
         raise

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -119,7 +120,7 @@ def check_importable(vllm_python: str, target: str, timeout_s: float = 180.0) ->
 
 @dataclass
 class StackOptions:
-    connector: str | None = "nixl"  # None: one plain instance (--single)
+    connector: str | None = "kvown"  # None: one plain instance (--single)
     model: str | None = None  # a local HF model directory; None: build the tiny model into run_dir
     model_name: str = "tiny"
     dtype: str = "float32"  # bf16 needs AMX tile permission on Intel (plugin.py); fp32 is what tests use
@@ -136,6 +137,7 @@ class StackOptions:
     grace_s: float = 10.0
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every vLLM instance
+    connector_extra: dict[str, object] = field(default_factory=dict)  # e.g. kvown's transfer_timeout_s
 
 
 class VllmProcess:
@@ -211,6 +213,9 @@ class VllmStack:
         self.proxy: ServerProcess | None = None
         self.model = ""
         self.url = ""
+        # one HMAC key per stack, for a connector that authenticates its control frames (kvown)
+        self.job_env = {"KVOWN_JOB_KEY": secrets.token_hex(32), "KVOWN_FLIGHT_DIR": str(self.run_dir)} \
+            if self.spec is not None and self.spec.job_key else {}
 
     def _instance(self, name: str, role: str) -> Instance:
         return Instance(name, role, free_port(), free_port())
@@ -232,7 +237,7 @@ class VllmStack:
         extra = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1",
                  "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.side_channel_port), "NIXL_LOG_LEVEL": "WARN",
-                 **(self.spec.instance_env() if self.spec else {}), **self.options.env}
+                 **(self.spec.instance_env() if self.spec else {}), **self.job_env, **self.options.env}
         return child_env(extra)
 
     def _spawn(self, inst: Instance, kv_config: dict[str, object] | None, bind: str) -> VllmProcess:
@@ -256,7 +261,8 @@ class VllmStack:
                 if self.spec.needs_etcd:
                     self.etcd = EtcdProcess(log_path=self.run_dir / "etcd.log").start()
                 info = StackInfo(o.cluster, self.etcd.endpoint if self.etcd else None,
-                                 self._instance("prefill-0", "prefill"), self._instance("decode-0", "decode"))
+                                 self._instance("prefill-0", "prefill"), self._instance("decode-0", "decode"),
+                                 o.connector_extra)
                 procs = [self._spawn(inst, self.spec.kv_config(inst, info), bind)
                          for inst, bind in ((info.prefill, o.omp_bind[0]), (info.decode, o.omp_bind[1]))]
                 for p in procs:
