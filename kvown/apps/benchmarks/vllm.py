@@ -181,7 +181,7 @@ def vllm_versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown bench vllm", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--connectors", default="single,nixl,nixl-push")
+    ap.add_argument("--connectors", default="single,kvown,nixl,nixl-push")
     ap.add_argument("--requests", type=int, default=32, help="prompts per concurrency level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))

@@ -42,6 +42,9 @@ from kvown.apps.serve.vllm.stack import StackOptions, VllmStack
 from kvown.core.errors import KvownError
 
 MAX_TOKENS = 32
+# kvown's deadlines in the matrix: a request times out 10 s after its destination was published, and an
+# unproven writer fail-stops the decode worker 10 s later - well inside the client bound and the 40 s stop
+KVOWN_KNOBS = {"transfer_timeout_s": 10.0, "grace_s": 10.0, "publish_timeout_s": 30.0}
 
 
 def prompt_pool(n: int, seed: int = 0) -> list[list[int]]:
@@ -121,7 +124,9 @@ class Matrix:
 
     def stack(self, tag: str) -> VllmStack:
         self.stack_dirs.append(self.run_dir / f"{self.connector}-{tag}")
-        return VllmStack(StackOptions(connector=self.connector, model=self.model, run_dir=str(self.stack_dirs[-1])))
+        extra = KVOWN_KNOBS if self.connector == "kvown" else {}
+        return VllmStack(StackOptions(connector=self.connector, model=self.model, run_dir=str(self.stack_dirs[-1]),
+                                      connector_extra=dict(extra)))
 
     async def calibrate(self, url: str, prefill_url: str, client: httpx.AsyncClient) -> Calibration:
         """Time P's answer and the proxy's TTFT for the long prompt; a failure (a request the connector
@@ -360,7 +365,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvown.apps.serve.vllm.faults")
-    p.add_argument("--connectors", default="nixl,nixl-push")
+    p.add_argument("--connectors", default="kvown,nixl,nixl-push")
     p.add_argument("--model", default=None)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--json", default=None)
