@@ -409,7 +409,8 @@ class Driver:
     def _note_publication(self, event: Event) -> None:
         """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an
         arriving REQUEST_DATA, or a saved one when the session opened)."""
-        rid = event.envelope.message.request_id if type(event) is MessageReceived else getattr(event, "request_id", None)
+        source = event.envelope.message if type(event) is MessageReceived else event
+        rid = getattr(source, "request_id", None)  # a WATERMARK or HELLO names no request: nothing to stamp
         handle = self._unpublished.get(rid)  # type: ignore[arg-type]
         if handle is not None and self.sender.published(rid):  # type: ignore[union-attr]
             del self._unpublished[rid]  # type: ignore[arg-type]

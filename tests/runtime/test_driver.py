@@ -429,6 +429,22 @@ def test_send_status_walks_open_published_posted_released() -> None:
     p.run(handle.retired.is_set)
 
 
+@pytest.mark.timeout(30)
+def test_a_watermark_reaching_a_sender_with_an_unpublished_send_is_not_a_crash() -> None:
+    """A WATERMARK names no request: the publication stamp must not look for one (the CI soak's
+    worlds died with ENGINE_CRASH when a receiver's watermark met a context-first send)."""
+    from kvown.runtime.commands import SetWatermark
+
+    p = Pair()
+    rid = make_request_id(1, 35)
+    send = p.tx.send(rid, (0, 1), ready=HostReadyToken())  # unpublished: the stamp is armed
+    p.run(steps=3)
+    p.drivers[RX].inbox.append(SetWatermark(1))
+    p.run(steps=5)
+    assert p.drivers[TX].fatal is None and p.fatal == {}
+    assert send.published_ns == 0 and p.tx.status(rid).phase is SendPhase.OPEN
+
+
 class _AdvancingClock:
     """The engine's real clock moves on while a step runs: every read is later than the last, and later
     than the step's own ``now_ns`` (which the engine read before the step began)."""

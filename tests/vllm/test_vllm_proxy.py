@@ -232,7 +232,7 @@ def test_connector_configs():
     assert CONNECTORS["nixl-push"].kv_config(info.decode, info)["kv_role"] == "kv_consumer"
     kv = CONNECTORS["kvown"].kv_config(info.decode, info)
     assert kv["kv_connector_module_path"] == "kvown.integrations.vllm" and kv["kv_role"] == "kv_consumer"
-    extra = {"etcd": "http://127.0.0.1:2379", "cluster": "c", "name": "decode-0"}
+    extra = {"etcd": "http://127.0.0.1:2379", "cluster": "c", "rank": 1}  # decode is kvown rank 1
     assert kv["kv_connector_extra_config"] == extra
     assert CONNECTORS["nixl"].instance_env() == {BASELINE_FIX_ENV: "1"}
     assert CONNECTORS["kvown"].instance_env() == {}  # kvown runs its own agent: no baseline fix
