@@ -84,3 +84,47 @@ def test_leaving_is_abandoned_and_the_upstream_sees_it():
 def test_table_names_the_baseline_fix():
     report = {"connectors": {"nixl": {**matrix().summary(), "seconds": 1}}}
     assert "nixl (baseline fix)" in faults.table(report)
+
+
+def _fail_stop_line(tmp_path: Path) -> str:
+    """The line kvown's real fail-stop executor writes (the detector's contract), with its recorder."""
+    import os
+
+    from kvown.core.actions import FailStop, FatalReason
+    from kvown.runtime.failstop import FailStopExecutor
+    from kvown.runtime.flight import FlightRecorder
+
+    read_fd, write_fd = os.pipe()
+    executor = FailStopExecutor(None, FlightRecorder(rank=1), kill=lambda world, code: None, dump_dir=tmp_path,
+                                diag_fd=write_fd)
+    executor.execute(FailStop(FatalReason.CONTROL_LOST, None, "control stream to rank 0 is broken"))
+    os.close(write_fd)
+    line = os.read(read_fd, 4096).decode()
+    os.close(read_fd)
+    return line
+
+
+def test_kvown_fail_stop_lines_are_read_from_the_real_executors_format(tmp_path):
+    found = faults.kvown_fail_stops("INFO vllm noise\n" + _fail_stop_line(tmp_path) + "Traceback ...\n")
+    assert [(f["rank"], f["reason"], f["flight_on_disk"]) for f in found] == [(1, "control_lost", True)]
+    assert faults.kvown_fail_stops("INFO a clean log\n") == []
+
+
+def test_a_fail_stopped_worker_counts_though_its_api_server_lives(tmp_path, monkeypatch):
+    """The matrix's prefill-killed cell: the decode's worker fail-stopped (control_lost), its API server
+    was still up, and the cell said 'fail_stops: []'. Mutant: read only whether the process lives."""
+    from types import SimpleNamespace
+
+    log = tmp_path / "decode-0.log"
+    log.write_text("INFO starting\n" + _fail_stop_line(tmp_path))
+    up = SimpleNamespace(alive=lambda: True, log_path=log, instance=SimpleNamespace(url="http://127.0.0.1:9"))
+    stack = SimpleNamespace(instances={"decode-0": up})
+
+    async def settle() -> dict:
+        async with httpx.AsyncClient() as client:
+            return await matrix().settle(stack, client)
+
+    cell = asyncio.run(settle())
+    assert cell["fail_stops"] == ["decode-0"] and cell["kvown_fail_stops"]["decode-0"][0]["reason"] == "control_lost"
+    monkeypatch.setattr(faults, "kvown_fail_stops", lambda text: [])  # mutant: the process is alive, so "no fail-stop"
+    assert asyncio.run(settle())["fail_stops"] == []

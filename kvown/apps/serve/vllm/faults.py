@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import signal
 import sys
 import time
@@ -206,9 +207,13 @@ class Matrix:
             if time.monotonic() - t0 > self.idle_s:
                 break
             await asyncio.sleep(1.0)
-        died = [n for n, p in stack.instances.items() if not p.alive() and n not in killed]
+        stopped = {n: kvown_fail_stops(p.log_path.read_text(errors="replace") if p.log_path.exists() else "")
+                   for n, p in stack.instances.items()}
+        died = [n for n, p in stack.instances.items()
+                if n not in killed and (stopped[n] or not p.alive())]  # a fail-stopped worker may leave its API server up
         return {"kv_usage_at_end": first, "kv_usage_after_idle": usage, "freed_after_s": held_s,
-                "leaked": held_s is None, "fail_stops": died}
+                "leaked": held_s is None, "fail_stops": died,
+                "kvown_fail_stops": {n: lines for n, lines in stopped.items() if lines}}
 
     async def destructive(self, cell: str, act: Callable[[VllmStack, Calibration], Awaitable[tuple[str, ...]]],
                           kind: str) -> None:
@@ -293,6 +298,17 @@ class Matrix:
 # unread, a notification for blocks already released (the read-after-free window), aborts, crashes
 LOG_SIGNALS = {"lease_expired": "Releasing expired KV blocks", "read_after_release": "Potentially invalid KV blocks",
                "aborted": "Aborted request", "tracebacks": "Traceback (most recent call last)"}
+
+
+_FAIL_STOP = re.compile(r"kvown FAIL-STOP rank=(?P<rank>-?\d+) pid=\d+ reason=(?P<reason>\S+) "
+                        r"request_id=\S+ exit_code=\d+ flight=(?P<flight>\S+)")
+
+
+def kvown_fail_stops(text: str) -> list[dict[str, Any]]:
+    """kvown's fail-stop lines in an instance's log (kvown/runtime/failstop.py writes one per fail-stop):
+    the rank, the reason, and whether the flight recorder it names is on disk."""
+    return [{"rank": int(m["rank"]), "reason": m["reason"], "flight": m["flight"],
+             "flight_on_disk": Path(m["flight"]).is_file()} for m in _FAIL_STOP.finditer(text)]
 
 
 def log_signals(run_dir: Path) -> dict[str, dict[str, int]]:
