@@ -66,6 +66,7 @@ import heapq
 import os
 import random
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,27 @@ def parse_plan(text: str, rank: int) -> dict[str, PlanEntry]:
             plan[name] = PlanEntry(name, spec.get("nth", 1), ms, spec.get("pct"))
     return plan
 
+
+
+def fault_wrapper(plan: str | None) -> Callable[[Any, int], FaultyTransport] | None:
+    """``wrap_transport=`` for ``kvown.rank.connect_*``: each rank's transport in a ``FaultyTransport`` with
+    the entries of ``plan`` for that rank (``""``: the wrapper with no fault yet, for ``rt.inject_fault``);
+    None for ``plan=None`` (no wrapper). Raises ``ConfigError`` naming a bad entry."""
+    if plan is None:
+        return None
+    if not isinstance(plan, str):
+        raise ConfigError("fault must be a plan text or None", field="fault", value=plan)
+    parse_plan(plan, -1)  # a bad entry fails here, before any rank is built
+
+    def wrap(transport: Any, rank: int) -> FaultyTransport:
+        return FaultyTransport(transport, rank, time.monotonic_ns, plan=parse_plan(plan, rank))
+
+    return wrap
+
+
+def fault_wrapper_from_env(environ: Any = None) -> Callable[[Any, int], FaultyTransport] | None:
+    """``fault_wrapper($KVOWN_FAULT)``: how test worlds and the demo's ranks read the plan (production never does)."""
+    return fault_wrapper((os.environ if environ is None else environ).get("KVOWN_FAULT"))
 
 @dataclass
 class _Write:

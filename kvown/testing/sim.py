@@ -52,10 +52,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from kvown.adapters import codec
-from kvown.adapters.transport import KVTransport, Role
+from kvown.adapters.transport import Role
 from kvown.api import Receiver, Sender
 from kvown.cache.layout import KVLayout
 from kvown.cache.pool import KVPool
@@ -66,9 +65,8 @@ from kvown.core.messages import RequestData, SessionQuiesced
 from kvown.core.sender import LIVE
 from kvown.runtime.commands import ReceiveHandle, SendHandle, Ticket
 from kvown.runtime.config import TransferConfig
-from kvown.runtime.driver import Driver
-from kvown.runtime.engine import Engine
 from kvown.runtime.flight import FlightRecorder
+from kvown.runtime.stack import assemble, build_parts
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
 from kvown.testing.faults import FaultProfile, FaultyTransport
 
@@ -158,11 +156,14 @@ class _Rank:
         c = world.config
         self.rank = rank
         self.role = role
-        self.pool = KVPool(layout)
-        self.aux = torch.zeros(c.aux_slots * 8, dtype=torch.uint8)
+        config = TransferConfig(
+            transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
+            aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, metrics_port=0,
+        )
         self.endpoint = FakeNixlEndpoint(f"sim-r{rank}", fabric=world.fabric)
-        self.transport = KVTransport(self.endpoint, rank, self.pool.space(), self.aux, aux_slot_nbytes=8,
-                                     roles=frozenset({role}), geometry_digest=layout.geometry_digest())
+        parts = build_parts(rank, frozenset({role}), self.endpoint, KVPool(layout), config=config,
+                            geometry_digest=layout.geometry_digest())
+        self.pool, self.aux, self.transport = parts.pool, parts.aux, parts.transport
         profile = FaultProfile(
             p_send_raise=c.p_send_raise, p_send_raise_after=c.p_send_raise_after, p_drop=c.p_drop, p_dup=c.p_dup,
             p_corrupt=c.p_corrupt, frame_delay_ns=c.frame_delay_ns, p_slow=c.p_slow, write_ns=c.write_ns,
@@ -170,18 +171,14 @@ class _Rank:
             p_late_done=c.p_late_done, p_stall=c.p_stall, p_receive_raise=c.p_receive_raise,
             p_release_raise=c.p_release_raise,
         )
-        self.faulty = FaultyTransport(self.transport, rank, world.clock, profile=profile,
-                                      rng=random.Random(world.seed * 1_000_003 + rank))
-        config = TransferConfig(
-            transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
-            aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, fault=None, metrics_port=0,
-        )
+        rng = random.Random(world.seed * 1_000_003 + rank)
         self.recorder = FlightRecorder(rank, capacity=1 << 16, clock_ns=world.clock)
         self.fatal: FailStop | None = None
-        self.driver = Driver(rank=rank, peers=(), roles=frozenset({role}), transport=self.faulty, pool=self.pool,
-                             aux=self.aux, key=JOB_KEY, config=config, recorder=self.recorder,
-                             on_fail_stop=self._on_fail_stop, clock=world.clock)
-        self.engine = Engine(self.driver, fail_stop=self._on_fail_stop, clock=world.clock)  # never started
+        stack = assemble(parts, peers=(), key=JOB_KEY, recorder=self.recorder, on_fail_stop=self._on_fail_stop,
+                         clock=world.clock,
+                         wrap_transport=lambda t, r: FaultyTransport(t, r, world.clock, profile=profile, rng=rng))
+        self.faulty: FaultyTransport = stack.transport
+        self.driver, self.engine = stack.driver, stack.engine  # the engine is never started
         self.api: Sender | Receiver | None = None
         self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
         self.seen_frames: set[tuple[int, int]] = set()
