@@ -33,7 +33,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from kvown.apps.launch import find_mpirun
+from kvown.adapters.mpirun import find_mpirun
 
 MIN_PYTHON = (3, 11)
 MPI_PROBE_TIMEOUT_S = 60.0

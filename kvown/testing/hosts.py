@@ -57,7 +57,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvown.adapters.mpi import process_start_ticks
-from kvown.apps.launch import mpirun_command as _base_mpirun_command
+from kvown.adapters.mpirun import mpirun_command as _base_mpirun_command
 
 PREFIX_NS = "kvown-"  # namespace (and host) names: kvown-<run>-<i>
 PREFIX_LINK = "kvwn"  # interface names (15 characters at most): kvwn<run>b, kvwn<run><i>
