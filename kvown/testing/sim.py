@@ -22,25 +22,8 @@ Rules:
   4. Oracles read state directly (raw attributes, the fake fabric, the bytes in the pools), never
      through core methods a mutant may patch.
 
-Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log):
-  (a) no retirement while a published writer may still write: no unfinished WRITE from any rank
-      targets the retired blocks, no REQUEST_DATA for the request is on its way to a live writer,
-      and no live writer's core still holds an operation or a publication for it;
-  (b) deadlines: ``check_fatal(now)`` is None for every rank that was just stepped at ``now`` and did
-      not latch a fail-stop (the watchdog and the engine agree); no claim outlives its bound
-      (min(first conclusion, exposure + T) + grace for writers, queue time + grace for a local
-      copy); the drain start of a session never moves;
-  (c) no evidence counted twice: no (src, seq) frame delivered twice, and no dispute in a world with
-      no forgers of results;
-  (d) fences never reopen (raw fence tables), and a session opened for a fenced id is born cancelled
-      (no live core session for it after the step that opened it, and a CANCELLED outcome);
-  (e) pool accounting total == free + owned + held; every landed request's blocks and aux hold
-      exactly what its writers wrote; no INVARIANT fail-stop (broken canary, pool bookkeeping);
-  (f) no WRITE reads a source piece before its ready token was signalled;
-  (g) no stream hole: a frame whose send raised is sent again within the resend budget, or its rank
-      fail-stops.
-  At the end: every session of a live, non-fatal rank is gone, its pool is all free, and every
-  free block still carries its canary.
+Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log), (a) to (g),
+are listed in docs/design.md section 13.
 """
 
 from __future__ import annotations
