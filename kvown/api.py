@@ -4,19 +4,7 @@ Owns: ``Sender`` and ``Receiver``, thin thread-safe facades that validate every 
 calling thread, then queue one typed command for the rank's engine and hand back a handle the engine
 completes.
 
-A prefill (context) server::
-
-    handle = rt.sender.send(request_id, src_blocks, ready=tracker.record(stream))
-    ...
-    handle.released.wait()        # now no WRITE reads src_blocks any more: reuse them
-
-A decode (generation) server::
-
-    rx = rt.receiver.receive(request_id, num_blocks=8, writers=(0,))
-    rx.landed.wait(timeout)       # KV is in rx.blocks: run decode on it
-    run_decode(rx.blocks)         # launched on the model's stream
-    rt.receiver.release(request_id, ready=tracker.record(stream))  # or cancel(request_id) at any time
-    rx.retired.wait()             # kvown returned the blocks to the pool, with proof
+How a prefill and a decode server call it, in five lines each: docs/design.md section 13.
 
 Rules:
   1. Blocks come back to the pool only through kvown (retirement with proof, or never: fail-stop).

@@ -58,6 +58,7 @@ from kvown.runtime.engine import Engine
 from kvown.runtime.failstop import FailStopExecutor
 from kvown.runtime.flight import FlightRecorder
 from kvown.runtime.hooks import TestHooks
+from kvown.runtime.stack import Parts, WrapTransport, assemble, build_parts
 from kvown.runtime.statistics import Audit, Statistics
 from kvown.runtime.view import RankView
 from kvown.runtime.watchdog import RetirementWatchdog
@@ -108,11 +109,13 @@ class LocalRank:
             assert layout is not None
             pool = KVPool(layout, device=device)
             digest = layout.geometry_digest()
-        aux = torch.zeros(config.aux_slots * config.aux_slot_nbytes, dtype=torch.uint8)
         endpoint = NixlEndpoint(f"kvown-{job}-r{rank}", progress_thread=config.progress_thread)
-        transport = KVTransport(endpoint, rank, pool.space(), aux, aux_slot_nbytes=config.aux_slot_nbytes,
-                                roles=roles, geometry_digest=digest, defer_unknown=defer_unknown)
-        return cls(rank, config, roles, pool, aux, transport)
+        parts = build_parts(rank, roles, endpoint, pool, config=config, geometry_digest=digest,
+                            defer_unknown=defer_unknown)
+        return cls(rank, config, roles, pool, parts.aux, parts.transport)
+
+    def parts(self) -> Parts:
+        return Parts(self.rank, self.roles, self.config, self.pool, self.aux, self.transport)
 
     def bind_metrics(self) -> None:
         """Bind the Prometheus port now (a busy port is a start-up failure, rule 3)."""
@@ -229,7 +232,7 @@ class RankRuntime:
         self.engine.call(lambda driver: driver.connect_peers(peers), timeout_s)
 
     def inject_fault(self, plan: str) -> None:
-        """Tests: replace this rank's fault plan (needs ``TransferConfig(fault=...)``)."""
+        """Tests: replace this rank's fault plan (needs ``wrap_transport=kvown.testing.faults.fault_wrapper("")``)."""
         self.engine.inject_fault(plan)
 
     def crash_guard(self, error_delivered: threading.Event | None = None):  # noqa: ANN201
@@ -343,24 +346,18 @@ class RankRuntime:
 
 
 def _start(local: LocalRank, peers: dict[int, PeerInfo], key: bytes, world: QualifiedWorld | None,
-           kill: Callable[..., None] | None = None) -> RankRuntime:
-    """Build the driver, engine and watchdogs (no thread started yet). Peers were checked already."""
+           kill: Callable[..., None] | None = None, wrap_transport: WrapTransport | None = None) -> RankRuntime:
+    """Build the driver, engine and watchdogs (no thread started yet). Peers were checked already.
+    ``wrap_transport``: tests' and the demo's fault injection (``kvown.testing.faults.fault_wrapper``): a
+    wrapper around the transport, never code in the loop."""
     config = local.config
     recorder = FlightRecorder(local.rank, capacity=config.flight_capacity)
     executor = FailStopExecutor(world, recorder, kill=kill)
-    transport: Any = local.transport
-    if config.fault is not None:  # tests and the demo's faults: a wrapper, never code in the loop
-        from kvown.testing.faults import FaultyTransport, parse_plan
-
-        transport = FaultyTransport(transport, local.rank, time.monotonic_ns, plan=parse_plan(config.fault, local.rank))
     lock = threading.Lock()
-    driver = Driver(rank=local.rank, peers=tuple(sorted(peers)), roles=local.roles, transport=transport,
-                    pool=local.pool, aux=local.aux, key=key, config=config, recorder=recorder,
-                    on_fail_stop=executor.request, clock=time.monotonic_ns, lock=lock)
-    if config.fault is not None:
-        driver.probe = transport.probe  # the crash point inside a retirement (driver rule 8)
+    stack = assemble(local.parts(), peers=tuple(sorted(peers)), key=key, recorder=recorder,
+                     on_fail_stop=executor.request, clock=time.monotonic_ns, lock=lock, wrap_transport=wrap_transport)
+    driver, engine = stack.driver, stack.engine
     recorder.state_source = driver.open_sessions  # the post-mortem's "what was open" (flight rule 3)
-    engine = Engine(driver, fail_stop=executor.request)
     watchdog = RetirementWatchdog(driver, lock, executor)
     local.stats_source = engine
     rt = RankRuntime(local.rank, driver, engine, watchdog, executor, world)
@@ -395,6 +392,7 @@ def connect_mpi(
     qualify: bool = True,
     memory: BlockSpace | None = None,
     on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
+    wrap_transport: WrapTransport | None = None,
 ) -> RankRuntime:
     """Build and start this rank's runtime in an MPI world. Collective: every rank calls it.
 
@@ -439,7 +437,7 @@ def connect_mpi(
         if local is not None:
             local.close()
         raise
-    rt = _start(local, peers, check_key(key), world)
+    rt = _start(local, peers, check_key(key), world, wrap_transport=wrap_transport)
     rt.exit_comm = comm.Dup() if comm.Get_size() > 1 else None
     rt._install_exit_hooks(excepthook=world is not None)
     _launch(rt)
@@ -461,6 +459,7 @@ def connect_rendezvous(
     timeout_s: float = 30.0,
     memory: BlockSpace | None = None,
     on_returned: Callable[[Any, tuple[int, ...]], None] | None = None,
+    wrap_transport: WrapTransport | None = None,
 ) -> RankRuntime:
     """Join separately launched worlds through kvown's small rendezvous server (key from
     ``KVOWN_JOB_KEY``): the fallback where no etcd runs. ``connect_registry`` is the preferred way.
@@ -484,7 +483,7 @@ def connect_rendezvous(
         if other != rank:
             peers[other] = PeerInfo.from_blob(rendezvous.lookup(address, f"rank{other}", key, timeout_s))
     local.transport.connect(peers)
-    rt = _start(local, peers, key, world)
+    rt = _start(local, peers, key, world, wrap_transport=wrap_transport)
     rt._install_exit_hooks(excepthook=world is not None)
     return _launch(rt)
 
@@ -504,6 +503,7 @@ def connect_registry(
     ttl_s: int = 5,
     wait_for: tuple[int, ...] = (),
     timeout_s: float = 30.0,
+    wrap_transport: WrapTransport | None = None,
 ) -> RankRuntime:
     """Join a world whose members are launched apart and come and go, through etcd at ``endpoint``.
 
@@ -527,7 +527,7 @@ def connect_registry(
     local = LocalRank.build(rank, config, _roles(roles), job=job, layout=layout, device=device, memory=memory,
                             on_returned=on_returned, defer_unknown=True)
     local.bind_metrics()
-    rt = _launch(_start(local, {}, check_key(key), world))
+    rt = _launch(_start(local, {}, check_key(key), world, wrap_transport=wrap_transport))
     rt._install_exit_hooks(excepthook=world is not None)
     loaded = threading.Event()
 
@@ -572,6 +572,7 @@ def connect_local(
     config: TransferConfig | None = None,
     kill: Callable[[object, int], None] | None = None,
     memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
+    wrap_transport: WrapTransport | None = None,
 ) -> dict[int, RankRuntime]:
     """Several ranks in ONE process, each with its own NIXL agent, pool, driver and engine thread (so
     the single-writer rule holds per rank as in a real world): for tests, examples and embedders
@@ -598,7 +599,8 @@ def connect_local(
     for rank, local in built.items():
         peers = {r: other.transport.info for r, other in built.items() if r != rank}
         local.transport.connect(peers)
-        out[rank] = _start(local, peers, key, None, kill=kill or (lambda world, code: None))
+        out[rank] = _start(local, peers, key, None, kill=kill or (lambda world, code: None),
+                           wrap_transport=wrap_transport)
     for rt in out.values():
         _launch(rt)
     return out

@@ -87,8 +87,9 @@ def test_registry_takes_a_new_workload_in_one_line(monkeypatch, capsys):
 
 def test_checkout_only_workloads_say_so_without_a_checkout(monkeypatch, tmp_path, capsys):
     from kvown.apps import bench
+    from kvown.apps.benchmarks import registry
 
-    monkeypatch.setattr(bench, "CHECKOUT", tmp_path)  # as from a wheel: no benchmarks/ beside the package
+    monkeypatch.setattr(registry, "CHECKOUT", tmp_path)  # as from a wheel: no benchmarks/ beside the package
     assert bench.main(["failstop"]) == 2
     assert "source checkout" in capsys.readouterr().err
     assert bench.main(["world", "--dry-run"]) == 0  # a package workload needs nothing beside it

@@ -10,7 +10,7 @@ from kvown import cli
 from kvown.apps import doctor
 from kvown.apps.doctor import CheckResult, CheckStatus
 
-EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "gpu"]
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "gpu", "serve", "bench", "vllm"]
 
 
 @pytest.mark.timeout(120)
@@ -105,3 +105,13 @@ def test_nvrtc_and_host_extension_lines(monkeypatch: pytest.MonkeyPatch) -> None
     assert doctor.check_host_extension().status is CheckStatus.OK  # built by `make setup`
     monkeypatch.setattr(nvrtc, "find_nvrtc", lambda: None)
     assert doctor.check_nvrtc().status is CheckStatus.ABSENT
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_extra_is_named_with_what_it_is_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = doctor.importlib.util.find_spec
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda m: None if m == "fastapi" else real(m))
+    result = doctor.check_extra("serve")
+    assert result.status is doctor.CheckStatus.ABSENT and not result.required
+    assert "fastapi" in result.detail and "kvown serve" in result.detail and result.fix == "pip install 'kvown[serve]'"
+    assert doctor.check_extra("bench").status is doctor.CheckStatus.OK  # this venv has every extra (the lock file)

@@ -169,3 +169,28 @@ def test_the_slimmer_refuses_a_prefix_that_matches_nothing_or_metadata(tmp_path:
     with pytest.raises(ValueError):
         slim_wheel.slim(toy_wheel(tmp_path), [drop], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_wheel_alone_is_the_runtime_and_doctor_names_the_missing_extras(wheel: Path, tmp_path: Path) -> None:
+    """A clean venv with kvown's wheel and its base dependencies only (versions from the lock file): the
+    runtime imports, no web stack or plotting library came with it, and ``kvown doctor`` names each extra."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "-c", str(ROOT / "requirements.lock"), str(wheel)], check=True, timeout=1200)
+    probe = ("import importlib.util as u, kvown, kvown.rank, kvown.runtime.stack\n"
+             "print([m for m in ('fastapi', 'uvicorn', 'httpx', 'matplotlib', 'tqdm', 'zmq') if u.find_spec(m)])")
+    done = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    done = subprocess.run([str(venv / "bin" / "kvown"), "doctor", "--json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    import json
+
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    for extra in ("serve", "bench", "vllm"):
+        assert checks[extra]["status"] == "ABSENT" and checks[extra]["fix"] == f"pip install 'kvown[{extra}]'"
+    assert "fastapi" in checks["serve"]["detail"] and "matplotlib" in checks["bench"]["detail"]

@@ -1,9 +1,9 @@
 """Discovery for worlds launched apart: a small etcd v3 client (JSON gateway over HTTP, via httpx).
 
 Owns: ``EtcdClient`` (put / get / list by prefix / delete / leases / watch on one etcd endpoint),
-``LeasedKey`` / ``Registration`` (a value, or one rank's info, under a lease that a named thread keeps
-alive), ``PrefixWatcher`` (a live, validated view of every value under a prefix, with put and delete
-callbacks) and ``RankInfo`` (what a server publishes about itself). kvown's own peer records
+``LeasedKey`` (a value under a lease that a named thread keeps alive) and ``PrefixWatcher`` (a live,
+validated view of every value under a prefix, with put and delete callbacks, each value parsed by the
+caller's ``parse``). The reference server's records (``RankInfo``) are ``kvown.apps.serve.ranks``'s; kvown's own peer records
 (``kvown.adapters.transport.PeerInfo``) travel through the same leases and watchers
 (``kvown.rank.connect_registry``).
 
@@ -37,7 +37,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -48,8 +48,6 @@ MAX_RESPONSE_NBYTES = 4 << 20  # a range response over a prefix of a few hundred
 MAX_VALUE_NBYTES = 64 << 10  # one rank's info; NIXL agent metadata is well under this
 MAX_KEY_LEN = 512
 MAX_WATCH_LINE_NBYTES = MAX_RESPONSE_NBYTES
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-_HOSTPORT_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -333,99 +331,6 @@ def _parse_watch_line(line: bytes) -> Iterator[WatchEvent]:
         )
 
 
-# ------------------------------------------------------------------------------------------ rank info
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """What a rank publishes about itself. ``parse`` is the only way in from etcd (rule 1).
-
-    ``name`` is unique in the cluster; ``role`` one of ``ROLES``; ``http`` and ``link`` are
-    ``host:port`` (empty when the rank has no such endpoint); ``meta`` carries small extra facts
-    (KV layout fields, NIXL agent name), strings and ints only.
-    """
-
-    ROLES = ("prefill", "decode", "router", "rank")
-
-    name: str
-    role: str
-    pid: int
-    started_ns: int
-    http: str = ""
-    link: str = ""
-    meta: Mapping[str, str | int] = field(default_factory=dict)
-
-    def encode(self) -> bytes:
-        self.validate(self)
-        return json.dumps(
-            {
-                "v": 1,
-                "name": self.name,
-                "role": self.role,
-                "pid": self.pid,
-                "started_ns": self.started_ns,
-                "http": self.http,
-                "link": self.link,
-                "meta": dict(self.meta),
-            },
-            sort_keys=True,
-        ).encode()
-
-    @classmethod
-    def parse(cls, raw: bytes) -> RankInfo:
-        """Decode and validate bytes read from etcd. After error: ``PeerProtocolError(field=...)``."""
-        if len(raw) > MAX_VALUE_NBYTES:
-            raise PeerProtocolError("rank info too large", field="info", nbytes=len(raw))
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise PeerProtocolError("rank info is not JSON", field="info") from error
-        if not isinstance(data, dict):
-            raise PeerProtocolError("rank info is not an object", field="info")
-        if data.get("v") != 1:
-            raise PeerProtocolError("unknown rank info version", field="v", value=str(data.get("v"))[:20])
-        meta = data.get("meta", {})
-        if not isinstance(meta, dict) or len(meta) > 64:
-            raise PeerProtocolError("rank info meta must be a small object", field="meta")
-        # Types are checked by ``validate`` right below; until then these are untrusted values.
-        info = cls(
-            name=data.get("name"),  # type: ignore[arg-type]
-            role=data.get("role"),  # type: ignore[arg-type]
-            pid=data.get("pid"),  # type: ignore[arg-type]
-            started_ns=data.get("started_ns"),  # type: ignore[arg-type]
-            http=data.get("http", ""),
-            link=data.get("link", ""),
-            meta=meta,
-        )
-        cls.validate(info)
-        return info
-
-    @staticmethod
-    def validate(info: RankInfo) -> None:
-        if not isinstance(info.name, str) or not _NAME_RE.fullmatch(info.name):
-            raise PeerProtocolError("bad rank name", field="name", value=str(info.name)[:80])
-        if info.role not in RankInfo.ROLES:
-            raise PeerProtocolError("unknown role", field="role", value=str(info.role)[:20])
-        for name in ("pid", "started_ns"):
-            value = getattr(info, name)
-            if type(value) is not int or not (0 <= value < 1 << 63):
-                raise PeerProtocolError("must be a non-negative int64", field=name, value=str(value)[:40])
-        for name in ("http", "link"):
-            value = getattr(info, name)
-            if not isinstance(value, str) or (value and not _HOSTPORT_RE.fullmatch(value)):
-                raise PeerProtocolError("must be host:port or empty", field=name, value=str(value)[:80])
-            if value and not (0 < int(value.rsplit(":", 1)[1]) < 65536):
-                raise PeerProtocolError("port out of range", field=name, value=value)
-        for key, value in info.meta.items():
-            if not isinstance(key, str) or not _NAME_RE.fullmatch(key):
-                raise PeerProtocolError("bad meta key", field="meta", value=str(key)[:40])
-            ok = (type(value) is int and abs(value) < 1 << 63) or (
-                isinstance(value, str) and len(value) <= 512
-            )
-            if not ok:
-                raise PeerProtocolError("meta values are short strings or int64", field=f"meta.{key}")
-
-
 # ---------------------------------------------------------------------------------- lease + watcher
 
 
@@ -507,24 +412,8 @@ class LeasedKey:
             self.lease_id = 0
 
 
-class Registration(LeasedKey):
-    """One rank's ``RankInfo`` under ``prefix + name``, leased (see ``LeasedKey``)."""
-
-    def __init__(self, endpoint: str, prefix: str, info: RankInfo, *, ttl_s: int = 5,
-                 on_lost: Callable[[], None] | None = None, rejoin: bool = False) -> None:
-        super().__init__(endpoint, prefix + info.name, info.encode(), ttl_s=ttl_s, on_lost=on_lost, rejoin=rejoin)
-
-
-def parse_rank_info(name: str, raw: bytes) -> RankInfo:
-    """The default ``PrefixWatcher`` parser: a ``RankInfo`` whose name is its key's last part."""
-    info = RankInfo.parse(raw)
-    if info.name != name:
-        raise PeerProtocolError("rank info name differs from its key", field="name", key=name, value=info.name)
-    return info
-
-
 class PrefixWatcher:
-    """A live view ``{name: RankInfo}`` of every rank under ``prefix``, kept by a named thread.
+    """A live view ``{name: parse(name, value)}`` of every value under ``prefix``, kept by a named thread.
 
     Called: ``start`` once; ``snapshot``/``get`` from any thread (they copy under a lock);
     ``on_put(info)`` / ``on_delete(name)`` / ``on_error(exc)`` run on the watcher thread, must not
@@ -541,7 +430,7 @@ class PrefixWatcher:
         on_delete: Callable[[str], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         read_timeout_s: float = 5.0,
-        parse: Callable[[str, bytes], Any] = parse_rank_info,
+        parse: Callable[[str, bytes], Any],
     ) -> None:
         self._endpoint, self._prefix = endpoint, _check_key(prefix)
         self._parse = parse  # (name under the prefix, raw value) -> value; raises PeerProtocolError

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from kvown.apps.launch import mpirun_command
+from kvown.adapters.mpirun import mpirun_command
 from typing import Any
 
 

@@ -41,6 +41,7 @@ from kvown.core.actions import Outcome
 from kvown.core.ids import make_request_id
 from kvown.rank import connect_mpi
 from kvown.runtime.config import TransferConfig
+from kvown.testing.faults import fault_wrapper
 
 GO_TAG = 7  # context-first: "prefill done, publish now" (context rank -> generation rank)
 
@@ -261,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     size = comm.Get_size()
     ctx, gen = list(range(size // 2)), list(range(size // 2, size))
     role = "sender" if comm.Get_rank() in ctx else "receiver"
-    config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, fault=args.fault or None,
-                            canary=True)
+    config = TransferConfig(transfer_timeout_s=args.timeout_s, grace_s=args.grace_s, canary=True)
     if args.device == "cuda":
         torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
-    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role}, device=args.device)
+    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role}, device=args.device,
+                     wrap_transport=fault_wrapper(args.fault or None))
     plan = make_plan(args, ctx, gen)
     comm.Barrier()
     t0 = time.monotonic()

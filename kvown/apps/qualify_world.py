@@ -37,6 +37,7 @@ from kvown.adapters.cuda import WriteTracker  # noqa: E402
 from kvown.apps.kvcontent import KVContent  # noqa: E402
 from kvown.core.messages import Envelope, KvResult, ResultStatus  # noqa: E402
 from kvown.kernels.ops import checksum  # noqa: E402
+from kvown.testing.faults import fault_wrapper  # noqa: E402
 
 import argparse  # noqa: E402
 
@@ -57,8 +58,8 @@ LAYOUT = {
 }[ARGS.layout]()
 comm.Barrier()
 _connect_t0 = time.monotonic()
-rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0, fault="", canary=True),
-                 roles={"receiver"} if rank == RX else {"sender"}, device=ARGS.device)
+rt = connect_mpi(comm, layout=LAYOUT, config=TransferConfig(transfer_timeout_s=4.0, canary=True),
+                 roles={"receiver"} if rank == RX else {"sender"}, device=ARGS.device, wrap_transport=fault_wrapper(""))
 CONNECT_S = time.monotonic() - _connect_t0  # agent, registration, metadata allgather + load, barrier
 pool = rt.pool
 results: dict[str, dict[str, bool]] = {}

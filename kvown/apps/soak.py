@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvown.apps.launch import kill_group, mpirun_command
+from kvown.adapters.mpirun import kill_group, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 ROTATION: tuple[tuple[str, int], ...] = (

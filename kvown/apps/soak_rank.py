@@ -38,6 +38,7 @@ from kvown.core.ids import make_request_id
 from kvown.rank import connect_mpi
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.hang import HangDetector
+from kvown.testing.faults import fault_wrapper
 
 PLANTS = ("leak", "corrupt", "hang")
 
@@ -79,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = comm.Get_rank(), comm.Get_size()
     ctx, gen = list(range(size // 2)), list(range(size // 2, size))
     role = "sender" if rank in ctx else "receiver"
-    config = TransferConfig(transfer_timeout_s=args.timeout_s, fault=args.fault or "", canary=True)
-    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role})
+    config = TransferConfig(transfer_timeout_s=args.timeout_s, canary=True)
+    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role},
+                     wrap_transport=fault_wrapper(args.fault or ""))
     executor = CountingExecutor()
     hang = rt.hang_detector(args.hang_timeout_s, executor=executor, c_backstop=False)
     gap = {"last": time.monotonic(), "max": 0.0}

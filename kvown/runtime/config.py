@@ -43,9 +43,6 @@ class TransferConfig:
     flight_capacity: int = 4096  # events kept by the flight recorder
     spin_s: float = 0.002  # keep yield-polling this long after the last progress
     idle_sleep_s: float = 200e-6  # then nap this long between polls (0: never nap, only sched_yield)
-    # Fault injection (tests, demo): None = none; a plan text wraps the transport in
-    # kvown.testing.faults.FaultyTransport (see there); "" installs the wrapper with an empty plan.
-    fault: str | None = field(default_factory=lambda: os.environ.get("KVOWN_FAULT"))
     # Prometheus /metrics on 127.0.0.1:(metrics_port + rank); 0 disables.
     metrics_port: int = field(default_factory=lambda: _port_from_env("KVOWN_METRICS_PORT"))
     canary: bool = False  # stamp retired blocks and verify them before reuse (kvown.cache.canary)
@@ -67,8 +64,6 @@ class TransferConfig:
             raise ConfigError("carry_results must be True or False", field="carry_results", value=self.carry_results)
         if not isinstance(self.canary, bool):
             raise ConfigError("canary must be True or False", field="canary", value=self.canary)
-        if self.fault is not None and not isinstance(self.fault, str):
-            raise ConfigError("fault must be a plan text or None", field="fault", value=self.fault)
         timeout_ns_from_s(self.control_retry_s, field="control_retry_s")
         for name in ("spin_s", "idle_sleep_s"):
             if not (0 <= getattr(self, name) <= 0.1):

@@ -54,7 +54,7 @@ Rules:
   9. ``probe`` (default None: one attribute test, nothing else) is the one test hook in this file:
      ``probe("retire", request_id)`` is called in the middle of a retirement - the pool already holds
      the blocks as free, their canaries are not stamped and the API has not been told - the one
-     protocol point no transport call shows. ``kvown.rank`` sets it only with ``TransferConfig.fault``
+     protocol point no transport call shows. ``kvown.runtime.stack`` sets it only for a wrapper
      (to ``FaultyTransport.probe``, whose ``crash-retire`` kills the rank there).
 
 Invariants:

@@ -99,11 +99,11 @@ class Engine:
         return future.result(timeout_s)
 
     def inject_fault(self, plan: str) -> None:
-        """Replace the fault plan of this rank's ``FaultyTransport`` (tests). Needs ``config.fault`` set."""
+        """Replace the fault plan of this rank's ``FaultyTransport`` (tests). Needs a ``wrap_transport`` one."""
 
         def apply(driver: Driver) -> None:
             if not hasattr(driver.transport, "set_plan"):
-                raise RuntimeError("no fault injection on this rank: start it with TransferConfig(fault='')")
+                raise RuntimeError("no fault injection on this rank: start it with wrap_transport=fault_wrapper('')")
             driver.transport.set_plan(plan)
 
         self.call(apply)

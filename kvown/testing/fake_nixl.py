@@ -3,11 +3,8 @@
 Owns: ``FakeFabric`` (the shared "network" that connects fake agents by name, holds injected faults
 and late "ghost" writes) and ``FakeNixlEndpoint`` (a ``NixlEndpoint`` whose library is a fake agent).
 
-The fake replaces the *library*, not the adapter: ``FakeNixlEndpoint`` runs the same ``NixlEndpoint``
-code (validation, coalescing, status translation, rooting, release rules) against ``_FakeAgent``, which
-imitates the subset of ``nixl_agent`` the adapter calls: status strings "DONE"/"PROC"/"ERR",
-exceptions from any call, metadata snapshots, registrations checked per descriptor. The contract
-tests in ``tests/adapters/test_nixl_contract.py`` run one suite against both so the fake cannot drift.
+The fake replaces the *library*, not the adapter (contract tests run against both): docs/design.md
+section 13.
 
 Rules:
   1. Addresses are real host addresses: a landing WRITE copies bytes with ``ctypes.memmove``. Only
@@ -23,12 +20,8 @@ Rules:
   5. Fault knobs (``WriteFault``, ``NotifFault``) are consumed in FIFO order by the first matching
      post / notification; each applies ``count`` times.
 
-  6. What real NIXL does that a naive fake would not, each reachable by a knob: ``send_notif``
-     raising after it delivered (``NotifFault.raise_after``) or before (``raise_before``),
-     duplicated notifications (``dup``), a transfer that reports ERROR and later DONE
-     (``FakeOutcome.ERR_THEN_DONE``), ``get_new_notifs`` raising (``fail_get_notifs``), ``release``
-     failing (``fail_release``), and a WRITE whose bytes land inside ``transfer()`` (as UCX's
-     ``cma`` does) rather than at completion (``p_land_at_post``).
+  6. What real NIXL does that a naive fake would not is reachable by a knob each (list: docs/design.md
+     section 13).
 
 Invariants:
   INV-FAKE-1  A write reported DONE has landed all its bytes and will never land again.

@@ -1,62 +1,22 @@
 """Fault injection at the transport seam: a wrapper around any ``Transport`` (real NIXL or the fake).
 
-Owns: ``FaultyTransport`` (the wrapper), ``FaultProfile`` (per-call probabilities, drawn from a
-seeded ``random.Random`` by the simulator) and ``parse_plan`` (deterministic "n-th call" faults from
-a text, for real worlds: ``KVOWN_FAULT`` / ``TransferConfig.fault``).
-
-The production loop has no fault code: a rank gets this wrapper only when ``TransferConfig.fault``
-is set (the bootstrap wraps the transport), and the simulator always wraps. Faults it can inject:
-
-  control frames   a send that raises before it sent (``send-raise``), after it sent
-                   (``send-raise-after``); a frame silently dropped (``drop-frame``), duplicated,
-                   delayed (which reorders), or delivered late (``slow-control``, order kept);
-                   a receive that raises. ``drop-frame`` and ``late-frame`` count and hit a WRITE's
-                   own notification (a carried KV_RESULT) as one more frame
-  WRITEs           refused before posting; a post that raises although the WRITE is on the wire
-                   (in doubt); ERROR, then DONE later or never; a WRITE that finishes late
-                   (``slow-writer``) or never reports (``stuck-writer``); a release that fails
-
-  crashes          the rank dies at a named protocol point (``crash-<point>``, below): the wrapper
-                   calls ``crash_action(point)``, by default SIGKILL of this process
-
-Plan text: comma-separated ``name[:rank=R][:nth=N][:ms=M][:pct=P]``. ``nth=N`` fires on the N-th
-matching call (``nth=0``: every call); ``pct=P`` instead fires on P % of matching calls (drawn from
-the wrapper's seeded ``rng``; with ``nth`` too, only from the N-th call on); ``rank`` restricts it to
-one rank; ``ms`` is a delay (``slow-writer`` with ``pct`` delays each chosen WRITE by a uniform
-0..ms). Names: ``stuck-writer``, ``slow-writer`` (default 300 ms), ``slow-control`` (default 20 ms),
-``send-raise``, ``send-raise-after``, ``drop-frame``, ``late-frame`` (that one frame is held back
-``ms``, default 1000 ms, then delivered: frames behind it on its stream wait for it), and the crash
-points. Dropped and late frames are counted by kind (``dropped_KV_RESULT``, ``late_CANCEL_SESSION``).
-Example:
-``stuck-writer:rank=0:nth=3``, ``slow-writer:pct=20:ms=5``, ``crash-write-posted:rank=0:nth=2``.
-
-Crash points (``CRASH_POINTS``), named by what this rank's transport sees, never by a sleep:
-  before-publish   a REQUEST_DATA is about to be sent (receiver; the blocks are allocated, unpublished)
-  request-data     a REQUEST_DATA was just sent (receiver; the writer may write from now on)
-  write-posted     a WRITE was posted (sender; bytes may be on the wire)
-  write-done       a WRITE reported DONE, before the driver saw it (sender; a result carried by the
-                   WRITE as its notification has left with it, an ordered KV_RESULT frame has not)
-  kv-result-sent   a KV_RESULT was just sent, in a control frame or carried by its WRITE (sender)
-  cancel-sent      a CANCEL_SESSION was just sent (receiver)
-  quiesced-sent    a SESSION_QUIESCED was just sent (sender)
-  retire           the driver is retiring a destination: the pool holds its blocks as free, their
-                   canaries are not stamped yet and the API has not heard (receiver; through the
-                   driver's ``probe`` hook, which ``kvown.rank`` points at ``FaultyTransport.probe``)
-The wrapper reads a frame's kinds from its msgpack body (its own frames, single or batch: no key
-needed), and only when the plan names a frame crash point; a batch passes every point its messages name.
+Owns: ``FaultyTransport`` (the wrapper), ``FaultProfile`` (per-call probabilities, drawn from a seeded
+``random.Random`` by the simulator), ``parse_plan`` (deterministic "n-th call" faults from a plan text)
+and ``fault_wrapper`` / ``fault_wrapper_from_env`` (``wrap_transport=`` for ``kvown.rank.connect_*``;
+only tests, the demo, the soak and qualification pass one, and only they read ``KVOWN_FAULT``).
+The production loop has no fault code. Faults: control frames that raise, drop, duplicate, delay or
+arrive late; WRITEs refused, raising while on the wire, ERROR then DONE or never, late or stuck; a
+release that fails; and crashes at named protocol points (``CRASH_POINTS``). The plan syntax and the
+crash points are in docs/design.md section 13.
 
 Rules:
-  1. Time comes from the injected ``clock`` (the simulator's, or ``time.monotonic_ns``); nothing
-     here sleeps or starts a thread. Held frames and late completions are released when the wrapper
-     is next called at or after their due time; ``next_due_ns`` says when that is.
-  2. A fault never lies about safety-relevant physics: a WRITE reported DONE really completed below
-     (the wrapper polls the inner transport before saying DONE), and a "post raised" WRITE is really
-     on the wire.
-  3. A WRITE's notification (a carried result) follows the WRITE's injected fate, as NIXL's does its
-     transfer (``kvown.adapters.nixl`` rule 7): the inner WRITE is posted without it, and the wrapper
-     sends it itself when it first reports DONE for that handle - never for a WRITE that is stuck,
-     reported ERROR, or whose post "raised". So a slow WRITE's report arrives when the WRITE is seen
-     done, not when the real copy below happened to finish.
+  1. Time comes from the injected ``clock``; nothing here sleeps or starts a thread. Held frames and
+     late completions are released when the wrapper is next called at or after their due time.
+  2. A fault never lies about safety-relevant physics: a WRITE reported DONE really completed below,
+     and a "post raised" WRITE is really on the wire.
+  3. A WRITE's notification (a carried result) follows the WRITE's injected fate, as NIXL's does
+     (``kvown.adapters.nixl`` rule 7): the wrapper sends it itself when it first reports DONE for that
+     handle - never for a WRITE that is stuck, reported ERROR, or whose post "raised".
 """
 
 from __future__ import annotations
@@ -66,6 +26,7 @@ import heapq
 import os
 import random
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +138,27 @@ def parse_plan(text: str, rank: int) -> dict[str, PlanEntry]:
             plan[name] = PlanEntry(name, spec.get("nth", 1), ms, spec.get("pct"))
     return plan
 
+
+
+def fault_wrapper(plan: str | None) -> Callable[[Any, int], FaultyTransport] | None:
+    """``wrap_transport=`` for ``kvown.rank.connect_*``: each rank's transport in a ``FaultyTransport`` with
+    the entries of ``plan`` for that rank (``""``: the wrapper with no fault yet, for ``rt.inject_fault``);
+    None for ``plan=None`` (no wrapper). Raises ``ConfigError`` naming a bad entry."""
+    if plan is None:
+        return None
+    if not isinstance(plan, str):
+        raise ConfigError("fault must be a plan text or None", field="fault", value=plan)
+    parse_plan(plan, -1)  # a bad entry fails here, before any rank is built
+
+    def wrap(transport: Any, rank: int) -> FaultyTransport:
+        return FaultyTransport(transport, rank, time.monotonic_ns, plan=parse_plan(plan, rank))
+
+    return wrap
+
+
+def fault_wrapper_from_env(environ: Any = None) -> Callable[[Any, int], FaultyTransport] | None:
+    """``fault_wrapper($KVOWN_FAULT)``: how test worlds and the demo's ranks read the plan (production never does)."""
+    return fault_wrapper((os.environ if environ is None else environ).get("KVOWN_FAULT"))
 
 @dataclass
 class _Write:

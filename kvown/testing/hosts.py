@@ -4,17 +4,7 @@ Owns: for one run, the namespaces, the veth pairs, the bridge, the addresses on 
 the launch agent, the environment that keeps MPI and UCX traffic on the test network, the link
 faults (down, rate limit, netem where the kernel has it), and the teardown of all of it.
 
-How it looks::
-
-    root namespace:  mpirun  --  bridge kvwn<run>b 198.18.X.1/24
-                         |-- veth -- namespace kvown-<run>-0  eth0 198.18.X.10  (host "kvown-<run>-0")
-                         |-- veth -- namespace kvown-<run>-1  eth0 198.18.X.11
-                         ...
-
-``mpirun`` starts one PRRTE daemon per host through the launch agent (PRRTE's ``plm_ssh_agent``, in
-place of ssh), which runs the daemon inside the host's network namespace and a fresh UTS namespace
-whose hostname is the host's name, so PRRTE and kvown see N distinct hosts. Every namespace shares
-this machine's filesystem and PID namespace; only the network stack and the hostname differ.
+How it looks (the bridge, the veths, the launch agent): docs/design.md section 13.
 
 Rules:
   1. Every name carries the kvown prefix and the run id (6 hex digits): namespaces ``kvown-<run>-<i>``,
@@ -57,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvown.adapters.mpi import process_start_ticks
-from kvown.apps.launch import mpirun_command as _base_mpirun_command
+from kvown.adapters.mpirun import mpirun_command as _base_mpirun_command
 
 PREFIX_NS = "kvown-"  # namespace (and host) names: kvown-<run>-<i>
 PREFIX_LINK = "kvwn"  # interface names (15 characters at most): kvwn<run>b, kvwn<run><i>

@@ -15,6 +15,7 @@ from kvown.cache.layout import KVLayout
 from kvown.cache.space import BlockSpace
 from kvown.rank import RankRuntime, connect_local
 from kvown.runtime.config import TransferConfig
+from kvown.testing.faults import fault_wrapper
 
 
 class KillRecorder:
@@ -35,7 +36,9 @@ def local_world(
     config: TransferConfig | None = None,
     kill: Callable[[object, int], None] | None = None,
     memory: dict[int, tuple[BlockSpace, Callable[[Any, tuple[int, ...]], None]]] | None = None,
+    fault: str | None = None,
 ) -> dict[int, RankRuntime]:
-    """``kvown.rank.connect_local`` with a ``KillRecorder`` as the default kill route (tests)."""
+    """``kvown.rank.connect_local`` with a ``KillRecorder`` as the default kill route (tests). ``fault``: a
+    fault plan for every rank's transport (``kvown.testing.faults``; ``""``: the wrapper, no fault yet)."""
     return connect_local(roles, layout=layout, device=device, config=config, kill=kill or KillRecorder(),
-                         memory=memory)
+                         memory=memory, wrap_transport=fault_wrapper(fault))

@@ -22,25 +22,8 @@ Rules:
   4. Oracles read state directly (raw attributes, the fake fabric, the bytes in the pools), never
      through core methods a mutant may patch.
 
-Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log):
-  (a) no retirement while a published writer may still write: no unfinished WRITE from any rank
-      targets the retired blocks, no REQUEST_DATA for the request is on its way to a live writer,
-      and no live writer's core still holds an operation or a publication for it;
-  (b) deadlines: ``check_fatal(now)`` is None for every rank that was just stepped at ``now`` and did
-      not latch a fail-stop (the watchdog and the engine agree); no claim outlives its bound
-      (min(first conclusion, exposure + T) + grace for writers, queue time + grace for a local
-      copy); the drain start of a session never moves;
-  (c) no evidence counted twice: no (src, seq) frame delivered twice, and no dispute in a world with
-      no forgers of results;
-  (d) fences never reopen (raw fence tables), and a session opened for a fenced id is born cancelled
-      (no live core session for it after the step that opened it, and a CANCELLED outcome);
-  (e) pool accounting total == free + owned + held; every landed request's blocks and aux hold
-      exactly what its writers wrote; no INVARIANT fail-stop (broken canary, pool bookkeeping);
-  (f) no WRITE reads a source piece before its ready token was signalled;
-  (g) no stream hole: a frame whose send raised is sent again within the resend budget, or its rank
-      fail-stops.
-  At the end: every session of a live, non-fatal rank is gone, its pool is all free, and every
-  free block still carries its canary.
+Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log), (a) to (g),
+are listed in docs/design.md section 13.
 """
 
 from __future__ import annotations
@@ -52,10 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from kvown.adapters import codec
-from kvown.adapters.transport import KVTransport, Role
+from kvown.adapters.transport import Role
 from kvown.api import Receiver, Sender
 from kvown.cache.layout import KVLayout
 from kvown.cache.pool import KVPool
@@ -66,9 +48,8 @@ from kvown.core.messages import RequestData, SessionQuiesced
 from kvown.core.sender import LIVE
 from kvown.runtime.commands import ReceiveHandle, SendHandle, Ticket
 from kvown.runtime.config import TransferConfig
-from kvown.runtime.driver import Driver
-from kvown.runtime.engine import Engine
 from kvown.runtime.flight import FlightRecorder
+from kvown.runtime.stack import assemble, build_parts
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
 from kvown.testing.faults import FaultProfile, FaultyTransport
 
@@ -158,11 +139,14 @@ class _Rank:
         c = world.config
         self.rank = rank
         self.role = role
-        self.pool = KVPool(layout)
-        self.aux = torch.zeros(c.aux_slots * 8, dtype=torch.uint8)
+        config = TransferConfig(
+            transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
+            aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, metrics_port=0,
+        )
         self.endpoint = FakeNixlEndpoint(f"sim-r{rank}", fabric=world.fabric)
-        self.transport = KVTransport(self.endpoint, rank, self.pool.space(), self.aux, aux_slot_nbytes=8,
-                                     roles=frozenset({role}), geometry_digest=layout.geometry_digest())
+        parts = build_parts(rank, frozenset({role}), self.endpoint, KVPool(layout), config=config,
+                            geometry_digest=layout.geometry_digest())
+        self.pool, self.aux, self.transport = parts.pool, parts.aux, parts.transport
         profile = FaultProfile(
             p_send_raise=c.p_send_raise, p_send_raise_after=c.p_send_raise_after, p_drop=c.p_drop, p_dup=c.p_dup,
             p_corrupt=c.p_corrupt, frame_delay_ns=c.frame_delay_ns, p_slow=c.p_slow, write_ns=c.write_ns,
@@ -170,18 +154,14 @@ class _Rank:
             p_late_done=c.p_late_done, p_stall=c.p_stall, p_receive_raise=c.p_receive_raise,
             p_release_raise=c.p_release_raise,
         )
-        self.faulty = FaultyTransport(self.transport, rank, world.clock, profile=profile,
-                                      rng=random.Random(world.seed * 1_000_003 + rank))
-        config = TransferConfig(
-            transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
-            aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, fault=None, metrics_port=0,
-        )
+        rng = random.Random(world.seed * 1_000_003 + rank)
         self.recorder = FlightRecorder(rank, capacity=1 << 16, clock_ns=world.clock)
         self.fatal: FailStop | None = None
-        self.driver = Driver(rank=rank, peers=(), roles=frozenset({role}), transport=self.faulty, pool=self.pool,
-                             aux=self.aux, key=JOB_KEY, config=config, recorder=self.recorder,
-                             on_fail_stop=self._on_fail_stop, clock=world.clock)
-        self.engine = Engine(self.driver, fail_stop=self._on_fail_stop, clock=world.clock)  # never started
+        stack = assemble(parts, peers=(), key=JOB_KEY, recorder=self.recorder, on_fail_stop=self._on_fail_stop,
+                         clock=world.clock,
+                         wrap_transport=lambda t, r: FaultyTransport(t, r, world.clock, profile=profile, rng=rng))
+        self.faulty: FaultyTransport = stack.transport
+        self.driver, self.engine = stack.driver, stack.engine  # the engine is never started
         self.api: Sender | Receiver | None = None
         self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
         self.seen_frames: set[tuple[int, int]] = set()

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from kvown.adapters import registry as reg
-from kvown.adapters.registry import EtcdClient, PrefixWatcher, RankInfo, Registration
+from kvown.adapters.registry import EtcdClient, PrefixWatcher
+from kvown.apps.serve.ranks import RankInfo, Registration, parse_rank_info
 from kvown.apps.serve.etcd import INSTALL_HINT, EtcdProcess, find_etcd
 from kvown.core.errors import AdapterError, ConfigError, PeerProtocolError
 
@@ -84,6 +85,7 @@ def test_watcher_sees_put_and_dead_rank_without_deadline(etcd):
         "/t3/",
         on_put=lambda i: events.append(("put", i.name)),
         on_delete=lambda n: events.append(("delete", n)),
+        parse=parse_rank_info,
     ).start()
     try:
         with EtcdClient(etcd) as c:
@@ -104,7 +106,7 @@ def test_watcher_sees_put_and_dead_rank_without_deadline(etcd):
 def test_watcher_initial_snapshot_and_resync_reports_missed_deletes(etcd):
     with EtcdClient(etcd) as c:
         c.put("/t4/a", _info("a").encode())
-        watcher = PrefixWatcher(etcd, "/t4/", read_timeout_s=0.5).start()
+        watcher = PrefixWatcher(etcd, "/t4/", read_timeout_s=0.5, parse=parse_rank_info).start()
         try:
             assert set(watcher.snapshot()) == {"a"}
             c.put("/t4/b", _info("b", role="decode").encode())
@@ -157,7 +159,7 @@ def test_watcher_skips_malformed_value_and_drops_previous_one(etcd):
     errors: list[BaseException] = []
     with EtcdClient(etcd) as c:
         c.put("/t5/a", _info("a").encode())
-        watcher = PrefixWatcher(etcd, "/t5/", on_error=errors.append).start()
+        watcher = PrefixWatcher(etcd, "/t5/", on_error=errors.append, parse=parse_rank_info).start()
         try:
             assert watcher.get("a") is not None
             c.put("/t5/a", b"garbage")  # a forged overwrite: the old, good value must not survive it

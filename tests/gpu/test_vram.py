@@ -29,7 +29,7 @@ SLEEP_CYCLES = 2_000_000_000  # ~1 s of GPU time at ~2 GHz: the "KV write" that 
 def world():
     kill = KillRecorder()
     ranks = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT, device="cuda", kill=kill,
-                        config=TransferConfig(transfer_timeout_s=10.0, grace_s=5.0, fault=""))
+                        config=TransferConfig(transfer_timeout_s=10.0, grace_s=5.0), fault="")
     yield ranks[0], ranks[1], kill
     for rt in ranks.values():
         rt.close()

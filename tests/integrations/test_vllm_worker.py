@@ -32,8 +32,8 @@ class Pair:
         self.kill = KillRecorder()
         self.caches = {P: kv_caches(0.0), D: kv_caches(100.0)}
         spaces = {r: kv_space(c, NUM_BLOCKS) for r, c in self.caches.items()}
-        config = TransferConfig(transfer_timeout_s=timeout_s, grace_s=timeout_s, fault="", canary=False)
-        self.world = local_world({P: {"sender"}, D: {"receiver"}}, config=config, kill=self.kill,
+        config = TransferConfig(transfer_timeout_s=timeout_s, grace_s=timeout_s, canary=False)
+        self.world = local_world({P: {"sender"}, D: {"receiver"}}, config=config, kill=self.kill, fault="",
                                  memory={r: (spaces[r], lambda rid, blocks: None) for r in (P, D)})
         settings = dict(etcd="unused", cluster="test", publish_timeout_s=publish_timeout_s)
         self.p = WorkerSide(WorkerSettings(rank=P, **settings), roles={"sender"})

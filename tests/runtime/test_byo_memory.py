@@ -47,9 +47,9 @@ class ServerMemory:
         return [t[block].clone() for t in self.tensors]
 
 
-def world(kind_tx: str, kind_rx: str, **config):
+def world(kind_tx: str, kind_rx: str, fault: str | None = None, **config):
     tx, rx = ServerMemory(kind_tx, 1), ServerMemory(kind_rx, 2)
-    ranks = local_world({0: {"sender"}, 1: {"receiver"}}, kill=KillRecorder(),
+    ranks = local_world({0: {"sender"}, 1: {"receiver"}}, kill=KillRecorder(), fault=fault,
                         config=TransferConfig(transfer_timeout_s=2.0, **config),
                         memory={0: (tx.space, tx.on_returned), 1: (rx.space, rx.on_returned)})
     return ranks, tx, rx

@@ -6,12 +6,8 @@ No threads and no real clock: the test steps both drivers with its own integer c
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvown.adapters.transport import KVTransport, Role
-from kvown.api import Receiver, Sender
 from kvown.cache.layout import KVLayout
-from kvown.cache.pool import KVPool
 from kvown.core.actions import FatalReason, Outcome
 from kvown.core.errors import LocalProtocolError
 from kvown.core.ids import make_request_id
@@ -19,10 +15,9 @@ from kvown.adapters.cuda import HostReadyToken
 from kvown.runtime.commands import CloseStatus, LiveRequests, ReceivePhase, SendPhase
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.driver import Driver
-from kvown.runtime.engine import Engine
-from kvown.runtime.flight import FlightRecorder
 from kvown.testing.clockguard import forbid_real_clock
-from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint, FakeOutcome, NotifFault, WriteFault
+from kvown.testing.fake_nixl import FakeOutcome, NotifFault, WriteFault
+from kvown.testing.pair import DriverPair
 
 LAYOUT = KVLayout.standard(num_layers=1, num_blocks=16, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8")
 KEY = b"k" * 32
@@ -34,45 +29,15 @@ def _no_real_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     forbid_real_clock(monkeypatch)
 
 
-class Pair:
+class Pair(DriverPair):
     """A sender rank and a receiver rank, each the production driver over one fabric."""
 
     def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000,
                  clock=None, layout: KVLayout = LAYOUT) -> None:
-        self.now = 0
-        clock = clock or (lambda: self.now)  # the engine's clock: API calls and handle stamps
-        self.fabric = FakeFabric()
-        self.fatal: dict[int, object] = {}
-        self.drivers: dict[int, Driver] = {}
-        transports = {}
-        for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
-            pool = KVPool(layout)
-            aux = torch.zeros(4 * 8, dtype=torch.uint8)
-            transports[rank] = KVTransport(FakeNixlEndpoint(f"r{rank}", fabric=self.fabric), rank, pool.space(), aux,
-                                           aux_slot_nbytes=8, roles=frozenset({role}),
-                                           geometry_digest=layout.geometry_digest())
-            config = TransferConfig(transfer_timeout_s=timeout_ns * 1e-9, grace_s=grace_ns * 1e-9,
-                                    control_retry_s=retry_ns * 1e-9, aux_slots=4, aux_slot_nbytes=8, fault=None,
-                                    metrics_port=0, canary=True)
-            self.drivers[rank] = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}),
-                                        transport=transports[rank], pool=pool, aux=aux, key=KEY, config=config,
-                                        recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
-                                        on_fail_stop=lambda a, r=rank: self.fatal.setdefault(r, a),
-                                        clock=clock)
-        for rank, transport in transports.items():
-            transport.connect({1 - rank: transports[1 - rank].info})
-            self.drivers[rank].refresh_view()
-        self.tx = Sender(Engine(self.drivers[TX], fail_stop=lambda a: None, clock=clock))
-        self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=clock))
-
-    def run(self, until=lambda: False, steps: int = 200, dt: int = 10) -> None:
-        """Step both drivers, advancing the clock, until ``until()`` or ``steps`` rounds (bounded)."""
-        for _ in range(steps):
-            for driver in self.drivers.values():
-                driver.step(self.now)
-            if until():
-                return
-            self.now += dt
+        config = TransferConfig(transfer_timeout_s=timeout_ns * 1e-9, grace_s=grace_ns * 1e-9,
+                                control_retry_s=retry_ns * 1e-9, aux_slots=4, aux_slot_nbytes=8,
+                                metrics_port=0, canary=True)
+        super().__init__(config, layout=layout, key=KEY, clock=clock)  # clock: the engine's (API calls, stamps)
 
     def transfer(self, seq: int, nblocks: int = 2):
         rid = make_request_id(1, seq)

@@ -19,7 +19,7 @@ LAYOUT = KVLayout.standard(num_layers=2, num_blocks=32, tokens_per_block=16, num
 def pair():
     kill = KillRecorder()
     world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT,
-                        config=TransferConfig(transfer_timeout_s=0.5, grace_s=0.5, fault=""), kill=kill)
+                        config=TransferConfig(transfer_timeout_s=0.5, grace_s=0.5), kill=kill, fault="")
     yield world[0], world[1], kill
     for rt in world.values():
         rt.watchdog.stop()

@@ -12,21 +12,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from kvown.adapters.transport import KVTransport, Role
-from kvown.api import Receiver, Sender
+from kvown.adapters.transport import KVTransport
 from kvown.cache.layout import KVLayout
-from kvown.cache.pool import KVPool
 from kvown.core.errors import ConfigError
 from kvown.core.ids import make_request_id
 from kvown.runtime.config import TransferConfig
-from kvown.runtime.driver import Driver
-from kvown.runtime.engine import Engine
-from kvown.runtime.flight import FlightRecorder
 from kvown.testing.clockguard import forbid_real_clock
-from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
 from kvown.testing.faults import CRASH_POINTS, FaultyTransport, frame_kinds, parse_plan
+from kvown.testing.pair import DriverPair
 
 LAYOUT = KVLayout.standard(
     num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=4, dtype="uint8"
@@ -40,60 +34,22 @@ def _no_real_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     forbid_real_clock(monkeypatch)
 
 
-class World:
+class World(DriverPair):
     def __init__(self, plan: str) -> None:
-        self.now = 0
-        fabric = FakeFabric()
-        self.drivers: dict[int, Driver] = {}
         self.faulty: dict[int, FaultyTransport] = {}
         self.seen: list[tuple[int, str, dict]] = []  # (rank, point, facts at that instant)
         self.sent: dict[int, list[bytes]] = {TX: [], RX: []}  # frames that really left, WRITE notifications too
-        transports = {}
-        for rank, role in ((TX, Role.SENDER), (RX, Role.RECEIVER)):
-            pool = KVPool(LAYOUT)
-            aux = torch.zeros(32, dtype=torch.uint8)
-            transports[rank] = KVTransport(
-                FakeNixlEndpoint(f"r{rank}", fabric=fabric),
-                rank,
-                pool.space(),
-                aux,
-                aux_slot_nbytes=8,
-                roles=frozenset({role}),
-                geometry_digest=LAYOUT.geometry_digest(),
-            )
-            transports[rank].send = self._spy(transports[rank].send, rank)
-            faulty = FaultyTransport(transports[rank], rank, lambda: self.now, plan=parse_plan(plan, rank))
+
+        def wrap(transport: KVTransport, rank: int) -> FaultyTransport:
+            transport.send = self._spy(transport.send, rank)
+            faulty = FaultyTransport(transport, rank, lambda: self.now, plan=parse_plan(plan, rank))
             faulty.crash_action = lambda point, r=rank: self.seen.append((r, point, self.facts()))
             self.faulty[rank] = faulty
-            config = TransferConfig(
-                transfer_timeout_s=1e-5,
-                grace_s=1e-5,
-                aux_slots=4,
-                aux_slot_nbytes=8,
-                fault=None,
-                metrics_port=0,
-                canary=True,
-            )
-            driver = Driver(
-                rank=rank,
-                peers=(1 - rank,),
-                roles=frozenset({role}),
-                transport=faulty,
-                pool=pool,
-                aux=aux,
-                key=KEY,
-                config=config,
-                recorder=FlightRecorder(rank, clock_ns=lambda: self.now),
-                on_fail_stop=lambda a: None,
-                clock=lambda: self.now,
-            )
-            driver.probe = faulty.probe
-            self.drivers[rank] = driver
-        for rank, transport in transports.items():
-            transport.connect({1 - rank: transports[1 - rank].info})
-            self.drivers[rank].refresh_view()
-        self.tx = Sender(Engine(self.drivers[TX], fail_stop=lambda a: None, clock=lambda: self.now))
-        self.rx = Receiver(Engine(self.drivers[RX], fail_stop=lambda a: None, clock=lambda: self.now))
+            return faulty
+
+        config = TransferConfig(transfer_timeout_s=1e-5, grace_s=1e-5, aux_slots=4, aux_slot_nbytes=8, metrics_port=0,
+                                canary=True)
+        super().__init__(config, layout=LAYOUT, key=KEY, wrap_transport=wrap, on_fail_stop=lambda r, a: None)
         self.handle = None
 
     def _spy(self, send, rank: int):

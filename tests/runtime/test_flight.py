@@ -178,7 +178,7 @@ def test_inspect_of_a_stalled_writer_reads_as_a_post_mortem(tmp_path, capsys) ->
     layout = KVLayout.standard(num_layers=1, num_blocks=8, tokens_per_block=2, num_kv_heads=2, head_dim=8,
                                dtype="uint8")
     world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=layout, kill=KillRecorder(),
-                        config=TransferConfig(fault="", transfer_timeout_s=30.0))
+                        config=TransferConfig(transfer_timeout_s=30.0), fault="")
     try:
         tx, rx = world[0], world[1]
         rid = make_request_id(2, 7)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from servekit import need_etcd
 
-from kvown.adapters.registry import RankInfo
+from kvown.apps.serve.ranks import RankInfo
 from kvown.apps.serve.etcd import EtcdProcess
 from kvown.apps.serve.local import ServerProcess
 from kvown.apps.serve.router import Router, RouterConfig

@@ -63,17 +63,11 @@ class Pair:
     """A sender rank (0) and a receiver rank (1): production drivers stepped by the calling thread."""
 
     def __init__(self, spec: PairSpec) -> None:
-        import torch
-
         from kvown.adapters.nixl import NixlEndpoint
-        from kvown.adapters.transport import KVTransport, Role
-        from kvown.api import Receiver, Sender
         from kvown.cache.layout import KVLayout
-        from kvown.cache.pool import KVPool
         from kvown.runtime.config import TransferConfig
-        from kvown.runtime.driver import Driver
-        from kvown.runtime.engine import Engine
-        from kvown.runtime.flight import FlightRecorder
+        from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
+        from kvown.testing.pair import DriverPair
 
         heads, dim, layers = 2, 128, 4
         tokens = spec.block_nbytes // (layers * 2 * heads * dim * 2)
@@ -81,36 +75,24 @@ class Pair:
                                    num_kv_heads=heads, head_dim=dim, dtype="bfloat16")
         assert layout.block_nbytes == spec.block_nbytes, layout.block_nbytes
         levers = {"carry_results": spec.carry} if "carry_results" in TransferConfig.__dataclass_fields__ else {}
-        config = TransferConfig(transfer_timeout_s=spec.timeout_s, fault=None, metrics_port=0, **levers)
-        fabric = None
-        if spec.fake:
-            from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
-
-            fabric = FakeFabric(default_delay_polls=0)
+        config = TransferConfig(transfer_timeout_s=spec.timeout_s, metrics_port=0, **levers)
+        fabric = FakeFabric(default_delay_polls=0) if spec.fake else None
         tag = f"cost{os.getpid()}-{id(self) & 0xFFFF:x}"
+
+        def endpoint(rank: int) -> Any:
+            return (FakeNixlEndpoint(f"{tag}-r{rank}", fabric=fabric) if fabric is not None
+                    else NixlEndpoint(f"{tag}-r{rank}"))
+
+        pair = DriverPair(config, layout=layout, key=b"cost-bench-key-0123456789", clock=time.monotonic_ns,
+                          recorder_clock=time.monotonic_ns, endpoint=endpoint,
+                          on_fail_stop=lambda rank, action: self._fatal(action), engine_fail_stop=self._fatal)
         self.layout = layout
-        self.drivers: dict[int, Any] = {}
-        transports = {}
-        for rank, role in ((0, Role.SENDER), (1, Role.RECEIVER)):
-            pool = KVPool(layout)
-            aux = torch.zeros(config.aux_slots * config.aux_slot_nbytes, dtype=torch.uint8)
-            endpoint = (FakeNixlEndpoint(f"{tag}-r{rank}", fabric=fabric) if fabric is not None
-                        else NixlEndpoint(f"{tag}-r{rank}"))
-            transports[rank] = KVTransport(endpoint, rank, pool.space(), aux, aux_slot_nbytes=config.aux_slot_nbytes,
-                                           roles=frozenset({role}), geometry_digest=layout.geometry_digest())
-            self.drivers[rank] = Driver(rank=rank, peers=(1 - rank,), roles=frozenset({role}),
-                                        transport=transports[rank], pool=pool, aux=aux, key=b"cost-bench-key-0123456789",
-                                        config=config, recorder=FlightRecorder(rank), on_fail_stop=self._fatal,
-                                        clock=time.monotonic_ns)
-            if not spec.batch:
-                self.drivers[rank].batch_frames = False
-        for rank, transport in transports.items():
-            transport.connect({1 - rank: transports[1 - rank].info})
-            self.drivers[rank].refresh_view()
-        clock = time.monotonic_ns
-        self.tx = Sender(Engine(self.drivers[0], fail_stop=self._fatal, clock=clock))
-        self.rx = Receiver(Engine(self.drivers[1], fail_stop=self._fatal, clock=clock))
-        self.transports = transports
+        self.drivers: dict[int, Any] = pair.drivers
+        if not spec.batch:
+            for driver in self.drivers.values():
+                driver.batch_frames = False
+        self.tx, self.rx = pair.tx, pair.rx
+        self.transports = pair.transports
         self.cpu_ns = [0, 0]
         self.steps = [0, 0]
         self._overhead_ns = _clock_overhead_ns()

@@ -51,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 
 def launch(out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from kvown.apps.launch import mpirun_command
+    from kvown.adapters.mpirun import mpirun_command
 
     out.mkdir(parents=True, exist_ok=True)
     flight = out / "flight"

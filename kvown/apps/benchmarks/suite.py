@@ -108,7 +108,7 @@ def judge(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvown.apps.bench import build_command, run_bounded
+    from kvown.apps.benchmarks.registry import build_command, run_bounded
 
     ap = argparse.ArgumentParser(prog="kvown bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")

@@ -5,17 +5,10 @@ lends it. The server's ``BlockAllocator`` stays the only allocator: the server l
 (``receive`` on the decode side, ``send`` on the prefill side) and the link gives them back through
 ``on_returned(request_id, blocks, outcome)`` exactly once, when no transfer can touch them any more.
 
-This implementation is the loopback reference transport: one TCP connection per (decode, prefill)
-pair, opened by the decode side, on 127.0.0.1. The decode side's reader thread is the only thing that
-writes into its cache, so "the writer is quiescent" has a local proof here (the last frame for the
-request, or the reader thread having exited). kvown's bring-your-own-memory API goes behind the same
-methods with one-sided RDMA, where that proof must come from the writer (docs/embedding.md).
+This implementation is the loopback reference transport (one TCP connection per pair; why its proof
+is local): docs/design.md section 13.
 
-Wire (every frame): header ``>2sBBQII`` = magic b"KL", version, kind, request id, arg, payload nbytes;
-then the payload. HELLO carries the sender's name and KV layout (JSON, both sides compare it; a
-mismatch is refused naming the field). decode -> prefill: HELLO, PUBLISH(rid, arg=num_blocks),
-CANCEL(rid). prefill -> decode: HELLO or REFUSED, DATA(rid, arg=first block index, payload = whole
-blocks, each block the concatenation of its chunks), DONE(rid, payload=aux), QUIESCED(rid, arg=reason).
+Wire format (header ``>2sBBQII``, the frame kinds): docs/design.md section 13.
 
 Rules:
   1. Decode side: a destination is OWNED from ``receive`` until DONE (landed: the server may use it)

@@ -74,12 +74,16 @@ class KvownLink:
         self.name, self.memory, self.address = name, memory, ""
         self._on_returned, self._rank_of = on_returned, rank_of
         self._publish_timeout_s, self._connect_timeout_s = publish_timeout_s, connect_timeout_s
-        fault = f"slow-writer:nth=0:ms={slow_writes_ms}" if slow_writes_ms else None
-        config = TransferConfig(transfer_timeout_s=transfer_timeout_s, aux_slot_nbytes=64, fault=fault)
+        wrap = None
+        if slow_writes_ms:  # the hidden test knob ``--link-pace-ms``: WRITEs that finish late
+            from kvown.testing.faults import fault_wrapper
+
+            wrap = fault_wrapper(f"slow-writer:nth=0:ms={slow_writes_ms}")
+        config = TransferConfig(transfer_timeout_s=transfer_timeout_s, aux_slot_nbytes=64)
         self.rt = connect_registry(
             etcd, job=f"serve-{cluster}", rank=rank, memory=memory_space(memory), config=config,
             on_returned=self._destination_back, roles={"sender" if role == "prefill" else "receiver"},
-            ttl_s=lease_ttl_s,
+            ttl_s=lease_ttl_s, wrap_transport=wrap,
         )
         self._lock = threading.Lock()
         self._dests: dict[int, RecvHandle] = {}

