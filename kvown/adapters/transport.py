@@ -20,6 +20,8 @@ Rules:
      connect): then up to ``MAX_DEFERRED`` such frames wait, and are handed over in arrival order once
      ``connect`` adds their agent (a peer may publish to us before our watcher has loaded it).
   5. Called from one thread only (the engine thread), like the endpoint below it.
+  6. ``poll`` answers in kvown's words (``WriteStatus``), never NIXL's: DONE is the only proof of
+     quiescence; IN_DOUBT (NIXL's ERROR) may still turn into DONE, so the handle is polled on.
 
 Invariants:
   INV-T1  A ``PostWrite`` of whole blocks posts exactly the chunks of those blocks in every region,
@@ -41,12 +43,12 @@ from kvown.core.messages import (
     CAPABILITIES,
     PROTOCOL_VERSION,
     Hello,
-    _digest,
-    _int_in,
-    _names,
-    _rank,
-    _short,
     check_hello,
+    digest_field,
+    int_field,
+    names_field,
+    rank_field,
+    short_repr,
 )
 
 
@@ -95,23 +97,23 @@ class PeerInfo:
         if not isinstance(obj, (list, tuple)) or len(obj) != 10:
             raise PeerProtocolError("peer info must be a list of 10 fields", field="peer_info")
         rank, name, metadata, space, aux_addr, aux_slot_nbytes, digest, version, caps, roles = obj
-        rank = _rank("rank", rank)
+        rank = rank_field("rank", rank)
         if type(name) is not str or not 0 < len(name) <= 256:
-            raise PeerProtocolError("agent name must be 1..256 characters", field="agent_name", value=_short(name))
+            raise PeerProtocolError("agent name must be 1..256 characters", field="agent_name", value=short_repr(name))
         # bytes(metadata) of an int would allocate that many zero bytes: only real bytes pass.
         if not isinstance(metadata, (bytes, bytearray)) or not 0 < len(metadata) <= MAX_METADATA_NBYTES:
             raise PeerProtocolError("agent metadata must be 1 B .. 1 MiB of bytes", field="agent_metadata")
         block_space = BlockSpace.from_wire(space)
-        aux_addr = _int_in(0, (1 << 64) - 1)("aux_addr", aux_addr)
-        aux_slot_nbytes = _int_in(1, 1 << 20)("aux_slot_nbytes", aux_slot_nbytes)
-        digest, version = _digest("geometry_digest", digest), _int_in(0, 1 << 16)("protocol_version", version)
-        caps = _names("capabilities", caps)
+        aux_addr = int_field(0, (1 << 64) - 1)("aux_addr", aux_addr)
+        aux_slot_nbytes = int_field(1, 1 << 20)("aux_slot_nbytes", aux_slot_nbytes)
+        digest, version = digest_field("geometry_digest", digest), int_field(0, 1 << 16)("protocol_version", version)
+        caps = names_field("capabilities", caps)
         try:
             role_set = frozenset(Role(r) for r in roles) if isinstance(roles, (list, tuple)) else frozenset()
         except (ValueError, TypeError):
             role_set = frozenset()
         if not role_set or len(roles) > 2:
-            raise PeerProtocolError("roles must name sender and/or receiver", field="roles", value=_short(roles))
+            raise PeerProtocolError("roles must name sender and/or receiver", field="roles", value=short_repr(roles))
         return cls(rank, name, bytes(metadata), block_space, aux_addr, aux_slot_nbytes, digest, version, caps, role_set)
 
     @classmethod
@@ -146,7 +148,21 @@ def check_peer(local: PeerInfo, peer: PeerInfo) -> None:
                                 got=peer.aux_slot_nbytes, want=local.aux_slot_nbytes)
 
 
-# ---- write outcomes (rule 2) ---------------------------------------------------------------------
+# ---- write outcomes (rules 2, 6) -----------------------------------------------------------------
+
+
+class WriteStatus(enum.Enum):
+    """What ``Transport.poll`` says of one posted WRITE (rule 6)."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    IN_FLIGHT = "in_flight"  # still running: poll again
+    DONE = "done"  # proof: the backend stopped touching both buffers (terminal)
+    IN_DOUBT = "in_doubt"  # ended without proof (NIXL's ERROR): bytes may still land; poll again
+
+
+_WRITE_STATUS = {XferStatus.IN_PROGRESS: WriteStatus.IN_FLIGHT, XferStatus.DONE: WriteStatus.DONE,
+                 XferStatus.ERROR: WriteStatus.IN_DOUBT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +198,7 @@ class Transport(Protocol):
     def send(self, rank: int, frame: bytes) -> None: ...
     def receive(self) -> list[tuple[int | None, bytes]]: ...
     def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome: ...
-    def poll(self, handle: Any) -> XferStatus: ...
+    def poll(self, handle: Any) -> WriteStatus: ...
     def release(self, handle: Any) -> None: ...
 
 
@@ -312,8 +328,8 @@ class KVTransport:
             return NotPosted(str(exc))
         return Posted(handle, handle.nbytes)
 
-    def poll(self, handle: XferHandle) -> XferStatus:
-        return self.endpoint.poll(handle)
+    def poll(self, handle: XferHandle) -> WriteStatus:
+        return _WRITE_STATUS[self.endpoint.poll(handle)]
 
     def release(self, handle: XferHandle) -> None:
         self.endpoint.release(handle)
@@ -323,4 +339,4 @@ class KVTransport:
 
 
 __all__ = ["InDoubt", "KVTransport", "NotPosted", "PeerInfo", "Posted", "Role", "Transport", "WriteOutcome",
-           "check_peer"]
+           "WriteStatus", "check_peer"]

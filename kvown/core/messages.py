@@ -77,12 +77,13 @@ class ResultStatus(enum.IntEnum):
 
 
 # ---- field validators: each returns the value or raises PeerProtocolError(field=...) --------------
+# Public: the transport adapter checks a peer's start-up record (``PeerInfo.from_wire``) with these too.
 
 
-def _int_in(lo: int, hi: int) -> Callable[[str, Any], int]:
+def int_field(lo: int, hi: int) -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
         if type(value) is not int or not (lo <= value <= hi):
-            raise PeerProtocolError("integer field out of range", field=name, value=_short(value))
+            raise PeerProtocolError("integer field out of range", field=name, value=short_repr(value))
         return value
 
     return check
@@ -90,13 +91,13 @@ def _int_in(lo: int, hi: int) -> Callable[[str, Any], int]:
 
 def _bool(name: str, value: Any) -> bool:
     if type(value) is not bool:
-        raise PeerProtocolError("expected a boolean", field=name, value=_short(value))
+        raise PeerProtocolError("expected a boolean", field=name, value=short_repr(value))
     return value
 
 
 def _request_id(name: str, value: Any) -> int:
     if not is_valid_request_id(value):
-        raise PeerProtocolError("invalid request id", field=name, value=_short(value))
+        raise PeerProtocolError("invalid request id", field=name, value=short_repr(value))
     return value
 
 
@@ -105,22 +106,22 @@ def _blocks(name: str, value: Any) -> tuple[int, ...]:
         raise PeerProtocolError("expected a list of at most MAX_BLOCKS block ids", field=name)
     for b in value:
         if type(b) is not int or not (0 <= b < (1 << 31)):
-            raise PeerProtocolError("block id out of range", field=name, value=_short(b))
+            raise PeerProtocolError("block id out of range", field=name, value=short_repr(b))
     return tuple(value)
 
 
-def _digest(name: str, value: Any) -> str:
+def digest_field(name: str, value: Any) -> str:
     if type(value) is not str or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
-        raise PeerProtocolError("expected a sha256 hex digest", field=name, value=_short(value))
+        raise PeerProtocolError("expected a sha256 hex digest", field=name, value=short_repr(value))
     return value
 
 
-def _names(name: str, value: Any) -> tuple[str, ...]:
+def names_field(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > 16:
         raise PeerProtocolError("expected at most 16 capability names", field=name)
     for v in value:
         if type(v) is not str or not (0 < len(v) <= 32):
-            raise PeerProtocolError("bad capability name", field=name, value=_short(v))
+            raise PeerProtocolError("bad capability name", field=name, value=short_repr(v))
     return tuple(value)
 
 
@@ -130,23 +131,23 @@ def _enum(cls: type[enum.IntEnum]) -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
         member = members.get(value) if type(value) is int else None
         if member is None:
-            raise PeerProtocolError(f"not a {cls.__name__}", field=name, value=_short(value))
+            raise PeerProtocolError(f"not a {cls.__name__}", field=name, value=short_repr(value))
         return member
 
     return check
 
 
-def _short(value: Any) -> Any:
+def short_repr(value: Any) -> Any:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-_rank = _int_in(0, MAX_RANK)
-_piece = _int_in(0, MAX_PIECE)
-_nbytes = _int_in(0, MAX_NBYTES)
-_epoch = _int_in(0, (1 << 31) - 1)
-_seq = _int_in(0, MAX_SEQ)
-_flags = _int_in(0, 1)  # FLAG_CARRIED is the only flag
+rank_field = int_field(0, MAX_RANK)
+_piece = int_field(0, MAX_PIECE)
+_nbytes = int_field(0, MAX_NBYTES)
+_epoch = int_field(0, (1 << 31) - 1)
+_seq = int_field(0, MAX_SEQ)
+_flags = int_field(0, 1)  # FLAG_CARRIED is the only flag
 
 
 # ---- messages -----------------------------------------------------------------------------------
@@ -186,10 +187,10 @@ class Hello(Message):
     geometry_digest: str
     KIND: ClassVar[ControlKind] = ControlKind.HELLO
     SCHEMA: ClassVar[dict] = {
-        "rank": _rank,
-        "protocol_version": _int_in(0, 1 << 16),
-        "capabilities": _names,
-        "geometry_digest": _digest,
+        "rank": rank_field,
+        "protocol_version": int_field(0, 1 << 16),
+        "capabilities": names_field,
+        "geometry_digest": digest_field,
     }
 
 
@@ -211,11 +212,11 @@ class RequestData(Message):
     KIND: ClassVar[ControlKind] = ControlKind.REQUEST_DATA
     SCHEMA: ClassVar[dict] = {
         "request_id": _request_id,
-        "receiver_rank": _rank,
+        "receiver_rank": rank_field,
         "dst_blocks": _blocks,
-        "slice_index": _int_in(0, MAX_SLICES - 1),
-        "num_slices": _int_in(1, MAX_SLICES),
-        "aux_slot": _int_in(-1, (1 << 31) - 1),
+        "slice_index": int_field(0, MAX_SLICES - 1),
+        "num_slices": int_field(1, MAX_SLICES),
+        "aux_slot": int_field(-1, (1 << 31) - 1),
     }
 
 
@@ -232,7 +233,7 @@ class KvResult(Message):
     nbytes: int
     KIND: ClassVar[ControlKind] = ControlKind.KV_RESULT
     SCHEMA: ClassVar[dict] = {
-        "writer_rank": _rank,
+        "writer_rank": rank_field,
         "request_id": _request_id,
         "piece": _piece,
         "is_last": _bool,
@@ -266,7 +267,7 @@ class CancelSession(Message):
     request_id: int
     receiver_rank: int
     KIND: ClassVar[ControlKind] = ControlKind.CANCEL_SESSION
-    SCHEMA: ClassVar[dict] = {"request_id": _request_id, "receiver_rank": _rank}
+    SCHEMA: ClassVar[dict] = {"request_id": _request_id, "receiver_rank": rank_field}
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +278,7 @@ class SessionQuiesced(Message):
     writer_rank: int
     request_id: int
     KIND: ClassVar[ControlKind] = ControlKind.SESSION_QUIESCED
-    SCHEMA: ClassVar[dict] = {"writer_rank": _rank, "request_id": _request_id}
+    SCHEMA: ClassVar[dict] = {"writer_rank": rank_field, "request_id": _request_id}
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +288,7 @@ class Watermark(Message):
     rank: int
     epoch: int
     KIND: ClassVar[ControlKind] = ControlKind.WATERMARK
-    SCHEMA: ClassVar[dict] = {"rank": _rank, "epoch": _epoch}
+    SCHEMA: ClassVar[dict] = {"rank": rank_field, "epoch": _epoch}
 
 
 MESSAGE_TYPES: dict[ControlKind, type[Message]] = {
@@ -331,10 +332,10 @@ def from_wire(obj: Any) -> Envelope:
     version, kind, src, dst, seq, *values = obj
     if version != PROTOCOL_VERSION or type(version) is not int:
         raise PeerProtocolError(
-            "peer speaks another protocol version", field="version", got=_short(version), want=PROTOCOL_VERSION
+            "peer speaks another protocol version", field="version", got=short_repr(version), want=PROTOCOL_VERSION
         )
     cls = _kind_class(kind)
-    src, dst = _rank("src_rank", src), _rank("dst_rank", dst)
+    src, dst = rank_field("src_rank", src), rank_field("dst_rank", dst)
     seq = _seq("seq", seq)
     return Envelope(src, dst, seq, _build(cls, values))
 
@@ -342,7 +343,7 @@ def from_wire(obj: Any) -> Envelope:
 def _kind_class(kind: Any) -> type[Message]:
     cls = _BY_KIND.get(kind) if type(kind) is int else None
     if cls is None:
-        raise PeerProtocolError("not a ControlKind", field="kind", value=_short(kind))
+        raise PeerProtocolError("not a ControlKind", field="kind", value=short_repr(kind))
     return cls
 
 
@@ -395,7 +396,7 @@ def frame_from_wire(obj: Any) -> Frame:
         e = from_wire(obj)
         return Frame(e.src_rank, e.dst_rank, e.seq, (e.message,))
     _, src, dst, seq, flags, *items = obj
-    src, dst = _rank("src_rank", src), _rank("dst_rank", dst)
+    src, dst = rank_field("src_rank", src), rank_field("dst_rank", dst)
     seq = _seq("seq", seq)
     flags = _flags("flags", flags)
     if not 1 <= len(items) <= MAX_BATCH:

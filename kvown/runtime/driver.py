@@ -76,8 +76,7 @@ from typing import Any, ContextManager
 import torch
 
 from kvown.adapters.codec import FrameCodec
-from kvown.adapters.nixl import XferStatus
-from kvown.adapters.transport import InDoubt, NotPosted, Posted, Role, Transport
+from kvown.adapters.transport import InDoubt, NotPosted, Posted, Role, Transport, WriteStatus
 from kvown.cache.canary import Canaries
 from kvown.cache.pool import KVPool
 from kvown.core.actions import (
@@ -114,8 +113,9 @@ from kvown.core.events import (
     WriteSubmitted,
 )
 from kvown.core.machine import RankCore
-from kvown.core.messages import MAX_BATCH, Envelope, AuxResult, CancelSession, KvResult, Message, RequestData, Watermark
+from kvown.core.messages import MAX_BATCH, Message
 from kvown.core.receiver import ReceiverCore
+from kvown.core.routing import Drop, Router
 from kvown.core.sender import SenderCore
 from kvown.core.streams import InboundStreams, OutboundStreams
 from kvown.runtime.commands import (
@@ -133,6 +133,7 @@ from kvown.runtime.commands import (
 )
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.flight import FlightRecorder, event_code
+from kvown.runtime.resend import ResendQueue
 from kvown.runtime.statistics import Audit, PoolCounts, ReceiverStatistics, RoleStatistics, Statistics, frozen
 from kvown.runtime.view import RankView, ViewCell, frozen_peers
 
@@ -149,18 +150,6 @@ EV_CONCLUDE = event_code("conclude", "outcome", "reason")
 EV_RETIRE = event_code("retire", "blocks")
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
 TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
-
-
-class _Outgoing:
-    """Stamped frames to one peer that still have to reach the transport (rule 3). ``what`` names the
-    frame's messages for the CONTROL_LOST report."""
-
-    __slots__ = ("frames", "since_ns", "failures")
-
-    def __init__(self, since_ns: int) -> None:
-        self.frames: collections.deque[tuple[bytes, str]] = collections.deque()  # (frame, what)
-        self.since_ns = since_ns
-        self.failures = 0
 
 
 class _SendState:
@@ -210,12 +199,12 @@ class Driver:
         self.out = OutboundStreams(rank)
         self.inn = InboundStreams(rank)
         self.stats: collections.Counter[str] = collections.Counter()
+        self.router = Router(rank, self.sender, self.receiver, self.inn)  # routing and carried reports (rule 3a)
+        self.resend = ResendQueue(transport, retry_s=config.control_retry_s, stats=self.stats, recorder=recorder)
         self.fatal: FailStop | None = None
         self.canaries = Canaries.of_pool(pool) if config.canary else None
         self._now_ns = 0
-        self._retry_ns = int(config.control_retry_s * 1e9)
         self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
-        self._unsent: dict[int, _Outgoing] = {}
         self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
         self.batch_frames = True  # rule 2; False sends one frame per message (benchmarks compare the two)
         self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
@@ -225,7 +214,6 @@ class Driver:
         self._pending_tokens: dict[int, _SendState] = {}  # sends with a piece not yet ready (rule 8)
         self._recvs: dict[int, ReceiveHandle] = {}
         self._local_copies: dict[int, tuple[int, Any]] = {}  # token id -> (request id, ready token)
-        self._carried_seen: dict[int, set[tuple[int, Any, int]]] = {}  # rid -> carried reports handed over
         self._next_local = 0
         self._aux_free = list(range(config.aux_slots - 1, -1, -1))
         self._unpublished: dict[int, SendHandle] = {}  # sends no receiver has published to yet
@@ -272,7 +260,7 @@ class Driver:
                 pool=PoolCounts(pool.total, pool.free, pool.owned, pool.held),
                 writes_in_flight=len(self._writes),
                 writes_in_doubt=len(self._in_doubt),
-                control_unsent=sum(len(o.frames) for o in self._unsent.values()),
+                control_unsent=self.resend.frames(),
                 fatal=None if self.fatal is None else self.fatal.detail,
                 counters=frozen({**self.stats, "duplicate_frames": self.inn.duplicates}),
                 sender=sender,
@@ -291,7 +279,7 @@ class Driver:
             "writes_in_flight": len(self._writes),
             "writes_in_doubt": len(self._in_doubt),
             "unreleased_handles": len(self._unreleased),
-            "unsent_frames": sum(len(o.frames) for o in self._unsent.values()),
+            "unsent_frames": self.resend.frames(),
             "local_copies": len(self._local_copies),
             "aux_slots_used": self.config.aux_slots - len(self._aux_free),
             "saved_publications": sender.saved_publications() if sender is not None else 0,
@@ -368,7 +356,7 @@ class Driver:
                 moved |= self._poll_writes()
             if self._pending_tokens or self._local_copies:
                 moved |= self._poll_tokens()
-            if self._unsent:
+            if self.resend:
                 moved |= self._resend()
             for core in self._core_list:
                 deadline = core.next_deadline_ns()
@@ -566,61 +554,30 @@ class Driver:
         try:
             if src is None:
                 raise PeerProtocolError("notification from an unknown agent", field="agent")
-            frame = self.codec.decode(data)
-            if frame.src_rank != src:
-                raise PeerProtocolError("frame claims another source rank", field="src_rank",
-                                        got=frame.src_rank, transport=src)
-            if frame.carried:
-                if frame.dst_rank != self.rank:
-                    raise PeerProtocolError("carried frame addressed to another rank", field="dst_rank",
-                                            got=frame.dst_rank, want=self.rank)
-                self._carried(src, frame.messages[0])
-                return
-            delivered = self.inn.deliver(frame)
+            deliveries = self.router.frame(src, self.codec.decode(data))
         except PeerProtocolError as exc:  # rule 5
             self.stats["rejected_frames"] += 1
             self.stats[f"rejected_{getattr(exc, 'field', 'frame')}"] += 1
             self.recorder.record("frame_rejected", None, src=src, error=str(exc))
             return
-        for f in delivered:
-            for index, message in enumerate(f.messages):
-                self.recorder.note(EV_RECV, getattr(message, "request_id", None), message.KIND, f.src_rank, f.seq,
-                                   index)
-                event = MessageReceived(Envelope(f.src_rank, f.dst_rank, f.seq, message))
-                if isinstance(message, (RequestData, CancelSession)):
-                    core = self.sender
-                elif isinstance(message, Watermark):
-                    for core in self._core_list:
-                        self._events.append((core, event))
+        for d in deliveries:
+            envelope = d.event.envelope
+            message = envelope.message
+            if d.event.carried:  # rule 3a: each report handed to the core once
+                if d.drop is not None:
+                    self.stats[d.drop.value] += 1
                     continue
-                else:
-                    core = self.receiver
-                if core is None:
-                    self.stats["rejected_frames"] += 1
+                self.recorder.note(EV_RECV_CARRIED, message.request_id, message.KIND, envelope.src_rank,  # type: ignore[attr-defined]
+                                   message.piece)  # type: ignore[attr-defined]
+            else:
+                self.recorder.note(EV_RECV, getattr(message, "request_id", None), message.KIND, envelope.src_rank,
+                                   envelope.seq, d.index)
+                if d.drop is Drop.NO_ROLE:
+                    self.stats[d.drop.value] += 1
                     self.recorder.record("frame_rejected", None, error=f"{message.KIND.name} for a rank without that role")
                     continue
-                self._events.append((core, event))
-
-    def _carried(self, src: int, message: Message) -> None:
-        """Rule 3a: a WRITE's notification (a final SUCCESS result; ``frame_from_wire`` checked that)."""
-        assert isinstance(message, (KvResult, AuxResult))
-        rx = self.receiver
-        if rx is None:
-            raise PeerProtocolError("carried result for a rank without the receiver role", field="carried")
-        rid = message.request_id
-        key = (src, message.KIND, message.piece)
-        seen = self._carried_seen.get(rid)
-        if seen is not None and key in seen:  # a copy of a report already handed to the core
-            self.stats["duplicate_carried"] += 1
-            return
-        if rid not in rx.sessions:  # retired (a late copy) or never ours: the core would refuse it too
-            self.stats["stale_carried"] += 1
-            return
-        if seen is None:  # remembered until the session retires
-            seen = self._carried_seen[rid] = set()
-        seen.add(key)
-        self.recorder.note(EV_RECV_CARRIED, rid, message.KIND, src, message.piece)
-        self._events.append((rx, MessageReceived(Envelope(src, self.rank, 0, message), carried=True)))
+            for core in d.cores:
+                self._events.append((core, d.event))
 
     # ---- control sends (rule 3) -----------------------------------------------------------------
 
@@ -644,48 +601,14 @@ class Driver:
         seq = self.out.next_seq(dst)
         frame = self.codec.encode(self.rank, dst, seq, messages)
         self.recorder.note(EV_SEND, getattr(messages[0], "request_id", None), dst, seq, len(messages))
-        pending = self._unsent.get(dst)
-        if pending is not None:  # earlier frames to dst are still waiting: keep the stream in order
-            pending.frames.append((frame, _what(seq, messages)))
-            return
-        try:
-            self.transport.send(dst, frame)
-            self.stats["control_sent"] += 1
-            self.stats["control_messages"] += len(messages)
-        except AdapterError as exc:  # delivered or not: nobody knows, so it will be sent again
-            pending = self._unsent[dst] = _Outgoing(self._now_ns)
-            pending.frames.append((frame, _what(seq, messages)))
-            self._note_send_failure(dst, pending, exc)
+        self.resend.send(dst, frame, seq, messages, self._now_ns)
 
     def _resend(self) -> bool:
-        moved = False
-        for dst, pending in list(self._unsent.items()):
-            while pending.frames:
-                frame, _ = pending.frames[0]
-                try:
-                    self.transport.send(dst, frame)
-                except AdapterError as exc:
-                    self._note_send_failure(dst, pending, exc)
-                    break
-                pending.frames.popleft()
-                self.stats["control_resent"] += 1
-                moved = True
-            if not pending.frames:
-                del self._unsent[dst]
-            elif self._now_ns - pending.since_ns >= self._retry_ns:
-                self._fail_stop(FailStop(
-                    FatalReason.CONTROL_LOST, None,
-                    f"control stream to rank {dst} is broken: {pending.frames[0][1]} could not be sent in "
-                    f"{self.config.control_retry_s} s ({pending.failures} attempts); its sessions cannot be proven",
-                ))
-                return True
+        moved, verdict = self.resend.resend(self._now_ns)
+        if verdict is not None:  # CONTROL_LOST (rule 3)
+            self._fail_stop(verdict)
+            return True
         return moved
-
-    def _note_send_failure(self, dst: int, pending: _Outgoing, exc: AdapterError) -> None:
-        pending.failures += 1
-        self.stats["control_send_failures"] += 1
-        if pending.failures == 1:
-            self.recorder.record("send_failed", None, dst=dst, what=pending.frames[0][1], error=str(exc))
 
     # ---- writes and tokens -------------------------------------------------------------------------
 
@@ -704,9 +627,9 @@ class Driver:
     def _check_write(self, op_id: int, handle: Any) -> bool:
         """Poll one WRITE in flight; turn DONE or a first ERROR into its one core event."""
         status = self.transport.poll(handle)
-        if status is XferStatus.IN_PROGRESS:
+        if status is WriteStatus.IN_FLIGHT:
             return False
-        if status is XferStatus.DONE:
+        if status is WriteStatus.DONE:
             del self._writes[op_id]
             self._in_doubt.discard(op_id)
             try:
@@ -835,7 +758,7 @@ class Driver:
             handle.outcome.set_result(action.outcome)
 
     def _retire(self, rid: int) -> None:
-        self._carried_seen.pop(rid, None)
+        self.router.forget(rid)
         handle = self._recvs.pop(rid, None)
         if handle is None:
             return
@@ -899,12 +822,6 @@ class Driver:
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The aux payload of a landed request. Called: by the consumer after ``landed`` (any thread)."""
         return bytes(self._aux_view(handle.aux_slot).numpy())
-
-
-def _what(seq: int, messages: list[Message]) -> str:
-    """A frame's description for the CONTROL_LOST report (computed only when a send failed)."""
-    names = ", ".join(m.KIND.name for m in messages[:4]) + (", ..." if len(messages) > 4 else "")
-    return f"{names} seq {seq}"
 
 
 def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:

@@ -31,8 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvown.adapters.nixl import XferStatus
-from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome
+from kvown.adapters.transport import InDoubt, NotPosted, Posted, Transport, WriteOutcome, WriteStatus
 from kvown.core.actions import PostWrite
 from kvown.core.errors import AdapterError, ConfigError
 from kvown.core.messages import FRAME_BATCH, TAG_NBYTES, ControlKind
@@ -360,22 +359,22 @@ class FaultyTransport:
             self._crash("write-posted")
         return outcome
 
-    def poll(self, handle: Any) -> XferStatus:
+    def poll(self, handle: Any) -> WriteStatus:
         fate = self._writes.get(id(handle))
         if fate is None:
             return self.inner.poll(handle)
         now = self.clock()
         if fate.stuck or now < fate.due_ns:
-            return XferStatus.IN_PROGRESS
+            return WriteStatus.IN_FLIGHT
         if fate.error_until_ns is not None and (now < fate.error_until_ns or not fate.settles):
-            return XferStatus.ERROR
+            return WriteStatus.IN_DOUBT
         status = self.inner.poll(handle)  # rule 2: DONE only when it is really done below
-        if status is XferStatus.DONE:
+        if status is WriteStatus.DONE:
             del self._writes[id(handle)]
             if fate.notif is not None:  # rule 3: the WRITE's notification leaves when it is seen done
                 self._send_notif(*fate.notif)
             self._crash("write-done")
-        elif status is XferStatus.ERROR:
+        elif status is WriteStatus.IN_DOUBT:
             fate.inner_error = True
         return status
 

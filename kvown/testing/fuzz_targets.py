@@ -23,9 +23,9 @@ Rules:
 Targets:
   frame              codec.decode_frame -> InboundStreams.deliver (+ check_hello for a HELLO), one frame
                      of either layout (one message, or a batch; a carried frame is not a stream position)
-  core               codec.decode_frame -> InboundStreams.deliver -> SenderCore/ReceiverCore.handle, a
-                     sequence of frames (u16 big-endian length prefixes) routed as the engine routes
-                     (a carried frame goes to the receiver core as a carried report)
+  core               codec.decode_frame -> Router.frame (InboundStreams.deliver, carried reports once)
+                     -> SenderCore/ReceiverCore.handle, a sequence of frames (u16 big-endian length
+                     prefixes) routed by the driver's own ``kvown.core.routing.Router``
   peer_info          PeerInfo.from_blob (the rendezvous blob) -> transport.check_peer (-> check_hello)
   rendezvous_server  RendezvousServer._serve_one on a scripted connection (the table is the state)
   rendezvous_client  the publish/lookup client's exchange on a scripted connection
@@ -74,6 +74,7 @@ from kvown.core.messages import (
     Watermark,
     seal,
 )
+from kvown.core.routing import Router
 from kvown.core.streams import InboundStreams
 
 KEY = b"fuzz-job-key-0123456789abcdef!!!"  # 32 bytes; the per-job key every target seals with
@@ -346,10 +347,9 @@ def join_frames(bodies: list[bytes]) -> bytes:
 
 
 def core_one_input(data: bytes) -> str:
-    from kvown.core.events import MessageReceived
-
     tx, rx = core_fixture()
     streams = InboundStreams(LOCAL)
+    router = Router(LOCAL, tx, rx, streams)  # the driver's own routing (kvown.core.routing)
     outcomes = []
     for body in split_frames(data):
         before = snapshot(streams)
@@ -358,25 +358,15 @@ def core_one_input(data: bytes) -> str:
             if frame.src_rank not in PEERS:
                 outcomes.append("unknown_source")  # the engine drops it: the transport names the source
                 continue
-            if frame.carried:  # routed as Driver._carried routes it: to the receiver, as a carried report
-                if frame.dst_rank != LOCAL:
-                    outcomes.append("rejected:dst_rank")
-                    continue
-                (message,) = frame.messages
-                outcomes.append(_handle_one(rx, MessageReceived(Envelope(frame.src_rank, LOCAL, 0, message),
-                                                                carried=True)))
-                continue
-            delivered = streams.deliver(frame)
+            deliveries = router.frame(frame.src_rank, frame)
         except PeerProtocolError as exc:
             outcomes.append(rejected_without_change(exc, before, snapshot(streams), "InboundStreams"))
             continue
-        for f in delivered:
-            for env in f.envelopes():
-                m = env.message  # route exactly as Driver._frame does
-                to_sender = isinstance(m, (RequestData, CancelSession))
-                cores = (tx, rx) if isinstance(m, Watermark) else (tx,) if to_sender else (rx,)
-                for core in cores:
-                    outcomes.append(_handle_one(core, MessageReceived(env)))
+        for d in deliveries:
+            if d.drop is not None:
+                outcomes.append(f"dropped:{d.drop.name.lower()}")
+            for core in d.cores:
+                outcomes.append(_handle_one(core, d.event))
     return ",".join(outcomes) or "empty"
 
 

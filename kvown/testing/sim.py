@@ -461,7 +461,7 @@ class SimWorld:
         if not self._live(rank.rank):
             return None
         dues = [d for d in (rank.driver.next_deadline_ns(), rank.faulty.next_due_ns()) if d is not None]
-        if rank.driver._unsent:
+        if rank.driver.resend:
             dues.append(self.now + 1)  # a failed send is retried on the next step
         return min(dues, default=None)
 
@@ -690,7 +690,7 @@ class SimWorld:
             frames += [item[2] for item in agent.inbox]
         frames += [f for _, _, dst, f in self.ranks[rx].faulty._out if dst == w]
         frames += [f for _, src, f in self.ranks[w].faulty._in if src == rx]
-        pending = self.ranks[rx].driver._unsent.get(w)
+        pending = self.ranks[rx].driver.resend.pending.get(w)
         if pending is not None:
             frames += [f for f, _ in pending.frames]
         inbound = self.ranks[w].driver.inn

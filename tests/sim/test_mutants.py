@@ -15,10 +15,11 @@ from kvown.core.fence import CancellationFence
 from kvown.core.events import MessageReceived
 from kvown.core.messages import Envelope, ResultStatus, SessionQuiesced
 from kvown.core.receiver import ReceiverCore, ReceiveSession, _Writer
+from kvown.core.routing import Delivery, Router
 from kvown.core import receiver as receiver_module
 from kvown.core.sender import SenderCore, _Stream
 from kvown.core.streams import InboundStreams
-from kvown.runtime.driver import Driver
+from kvown.runtime.resend import ResendQueue
 from kvown.testing.sim import SimWorld
 
 SEED_BUDGET = 1000  # every mutant must die within the CI budget
@@ -120,7 +121,7 @@ def driver_forgets_a_failed_send(mp: pytest.MonkeyPatch) -> None:
     def forget(self, dst, pending, exc: AdapterError) -> None:
         pending.frames.popleft()
 
-    mp.setattr(Driver, "_note_send_failure", forget)
+    mp.setattr(ResendQueue, "_note_failure", forget)
 
 
 def decline_claims_the_slice(mp: pytest.MonkeyPatch) -> None:
@@ -154,9 +155,9 @@ def carried_copies_counted_twice(mp: pytest.MonkeyPatch) -> None:
     """The receiver's driver hands every copy of a carried report to the core (no duplicate check)."""
 
     def carried(self, src, message):
-        self._events.append((self.receiver, MessageReceived(Envelope(src, self.rank, 0, message), carried=True)))
+        return Delivery(MessageReceived(Envelope(src, self.rank, 0, message), carried=True), 0, (self.receiver,))
 
-    mp.setattr(Driver, "_carried", carried)
+    mp.setattr(Router, "_carried", carried)
 
 
 MUTANTS = [  # (mutant, the oracle tag it must trip)
