@@ -539,13 +539,7 @@ def connect_registry(
         if all(r in rt.view.peers for r in wait_for):
             loaded.set()
 
-    def parse(name: str, raw: bytes) -> PeerInfo:
-        info = PeerInfo.from_blob(raw)
-        if str(info.rank) != name:
-            raise PeerProtocolError("peer record names another rank than its key", field="rank", key=name)
-        return info
-
-    watcher = PrefixWatcher(endpoint, prefix, parse=parse,
+    watcher = PrefixWatcher(endpoint, prefix, parse=_parse_peer_record,
                             on_put=lambda info: info.rank == rank or load(info))
     lease = LeasedKey(endpoint, f"{prefix}{rank}", msgpack.packb(local.transport.info.to_wire()), ttl_s=ttl_s)
     try:
@@ -562,6 +556,14 @@ def connect_registry(
         raise
     rt._stops += [watcher.stop, lease.close]
     return rt
+
+
+def _parse_peer_record(name: str, raw: bytes) -> PeerInfo:
+    """A registry record under ``.../peers/<name>``; one naming another rank than its key is refused."""
+    info = PeerInfo.from_blob(raw)
+    if str(info.rank) != name:
+        raise PeerProtocolError("peer record names another rank than its key", field="rank", key=name)
+    return info
 
 
 def connect_local(

@@ -112,7 +112,7 @@ def plot(values: list[float], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvown demo", description="Run the multi-rank KV-transfer workload over real NIXL.")
     ap.add_argument("--ranks", type=int, default=4, help="world size: half context, half generation (default 4)")
     ap.add_argument("--requests", type=int, default=2000)
@@ -137,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.ranks % 2:
         ap.error("--ranks must be an even number >= 2")
-    timeout_s = args.timeout_s or (1.0 if args.fault else 5.0)
+    return args
 
-    workdir = tempfile.mkdtemp(prefix="kvown-demo-")
-    out = os.path.join(workdir, "results.json")
-    flight_dir = os.path.abspath(os.environ.get("KVOWN_FLIGHT_DIR", workdir))
+
+def _rank_args(args: argparse.Namespace, timeout_s: float, out: str) -> list[str]:
+    """The command line of every rank (kvown.apps.demo_rank)."""
     rank_args = ["--requests", str(args.requests), "--seed", str(args.seed), "--cancel-rate", str(args.cancel_rate),
                  "--timeout-s", str(timeout_s), "--out", out, "--deadline-s", str(args.deadline_s)]
     if args.context_first:
@@ -153,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         rank_args += ["--fault", args.inject or "stuck-writer:rank=0:nth=3"]
     if args.mutant:
         rank_args += ["--mutant", args.mutant]
+    return rank_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    timeout_s = args.timeout_s or (1.0 if args.fault else 5.0)
+
+    workdir = tempfile.mkdtemp(prefix="kvown-demo-")
+    out = os.path.join(workdir, "results.json")
+    flight_dir = os.path.abspath(os.environ.get("KVOWN_FLIGHT_DIR", workdir))
+    rank_args = _rank_args(args, timeout_s, out)
     env = dict(os.environ, KVOWN_FLIGHT_DIR=flight_dir, PYTHONUNBUFFERED="1")
     try:
         cmd = mpirun_command(args.ranks) + [sys.executable, "-m", "kvown.apps.demo_rank", *rank_args]
@@ -173,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     with open(out) as f:
         summary = summarize(json.load(f), wall_s, args)
+    return _report(summary, args)
+
+
+def _report(summary: dict, args: argparse.Namespace) -> int:
+    """Print the table, write the JSON and the plot; 0 only for a clean world with true latencies."""
     print_table(summary)
     if args.json:
         with open(args.json, "w") as f:

@@ -160,24 +160,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
             while comm.Iprobe(source=MPI.ANY_SOURCE, tag=GO_TAG):
                 rid = comm.recv(source=MPI.ANY_SOURCE, tag=GO_TAG)
                 go[rid] = go.get(rid, 0) + 1
-        while pending and len(open_) < args.window:
-            p = pending[-1]
-            if p.cancel == "both_before":
-                pending.pop()
-                receiver.cancel(p.request_id)  # fence before publication: nothing is ever published
-                out["cancelled"] += 1
-                continue
-            if args.context_first and go.get(p.request_id, 0) < len(p.writers):
-                break
-            try:
-                handle = receiver.receive(p.request_id, p.num_blocks, p.writers,
-                                          num_slices=len(p.writers) if args.fan_in else 1, aux=True)
-            except Exception as exc:  # PoolExhausted: back-pressure, try again later
-                if type(exc).__name__ != "PoolExhausted":
-                    raise
-                break
-            pending.pop()
-            open_[p.request_id] = (p, handle, time.monotonic())
+        _open_next(receiver, pending, open_, go, args, out)
         now = time.monotonic()
         for rid, (p, handle, opened) in list(open_.items()):
             # handle.closing: this program already released or cancelled it (the engine stamps the times)
@@ -191,19 +174,7 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
                     out["corrupted_blocks"] += 1
                 receiver.release(rid)
             if handle.retired.is_set():
-                outcome = handle.outcome.result(0) if handle.outcome.done() else None
-                if outcome is Outcome.COMPLETED:
-                    out["completed"] += 1
-                    out["bytes"] += len(handle.blocks) * block_nbytes
-                    if handle.released_ns:  # not when a cancel raced the landing and lost
-                        out["retire_release_us"].append((handle.retired_ns - handle.released_ns) / 1e3)
-                elif outcome is Outcome.CANCELLED:
-                    out["cancelled"] += 1
-                    out["retire_cancel_us"].append((handle.retired_ns - handle.cancelled_ns) / 1e3)
-                elif outcome is Outcome.FAILED and p.cancel == "tx_mid":
-                    out["aborted"] += 1  # the plan's prefill-side abort: the writer failed the session
-                else:
-                    out["failed"] += 1
+                _count_retired(out, p, handle, block_nbytes)
                 del open_[rid]
         if progress_path and now - last_progress > 0.1:
             last_progress = now
@@ -219,6 +190,45 @@ def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_
     if progress_path:
         _write_atomic(progress_path, f"{len(mine) - out['unfinished']} {len(mine)}")
     return out
+
+
+def _open_next(receiver, pending: list[Planned], open_: dict, go: dict[int, int], args, out: dict) -> None:
+    """Open the next planned receives while the window has room (PoolExhausted: back-pressure, later)."""
+    while pending and len(open_) < args.window:
+        p = pending[-1]
+        if p.cancel == "both_before":
+            pending.pop()
+            receiver.cancel(p.request_id)  # fence before publication: nothing is ever published
+            out["cancelled"] += 1
+            continue
+        if args.context_first and go.get(p.request_id, 0) < len(p.writers):
+            return
+        try:
+            handle = receiver.receive(p.request_id, p.num_blocks, p.writers,
+                                      num_slices=len(p.writers) if args.fan_in else 1, aux=True)
+        except Exception as exc:  # PoolExhausted: back-pressure, try again later
+            if type(exc).__name__ != "PoolExhausted":
+                raise
+            return
+        pending.pop()
+        open_[p.request_id] = (p, handle, time.monotonic())
+
+
+def _count_retired(out: dict, p: Planned, handle, block_nbytes: int) -> None:
+    """Count a retired receive by its outcome, with its engine-stamped retirement latency."""
+    outcome = handle.outcome.result(0) if handle.outcome.done() else None
+    if outcome is Outcome.COMPLETED:
+        out["completed"] += 1
+        out["bytes"] += len(handle.blocks) * block_nbytes
+        if handle.released_ns:  # not when a cancel raced the landing and lost
+            out["retire_release_us"].append((handle.retired_ns - handle.released_ns) / 1e3)
+    elif outcome is Outcome.CANCELLED:
+        out["cancelled"] += 1
+        out["retire_cancel_us"].append((handle.retired_ns - handle.cancelled_ns) / 1e3)
+    elif outcome is Outcome.FAILED and p.cancel == "tx_mid":
+        out["aborted"] += 1  # the plan's prefill-side abort: the writer failed the session
+    else:
+        out["failed"] += 1
 
 
 def _write_atomic(path: str, text: str) -> None:

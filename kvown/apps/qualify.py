@@ -100,10 +100,6 @@ def run_world(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = launch.argv(ranks, program, env)
-    out_lines: list[str] = []
-    err_lines: list[str] = []
-    found: dict[int, dict] = {}
-    tagged: dict[str, list[dict]] = {}
     started = time.monotonic_ns()
     proc = subprocess.Popen(
         cmd,
@@ -114,10 +110,44 @@ def run_world(
         start_new_session=True,
         errors="replace",
     )
+    lines = _WorldLines(proc)
+    try:
+        exit_ns, all_gone_ns, timed_out = _wait_world(proc, lines.found, ranks, timeout_s, watch_pids)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc, wait_s=3)
+        lines.close()
+    return WorldRun(
+        proc.returncode,
+        "".join(lines.out),
+        "".join(lines.err),
+        started,
+        exit_ns,
+        timed_out,
+        lines.found,
+        lines.tagged,
+        all_gone_ns,
+    )
 
-    def read_out() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            out_lines.append(line)
+
+class _WorldLines:
+    """A world's stdout and stderr read on two threads; ``KVOWN-RANK`` lines by rank, other ``KVOWN-*``
+    lines by tag."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.found: dict[int, dict] = {}
+        self.tagged: dict[str, list[dict]] = {}
+        self.readers = [threading.Thread(target=self._read_out, daemon=True),
+                        threading.Thread(target=self._read_err, daemon=True)]
+        for t in self.readers:
+            t.start()
+
+    def _read_out(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.out.append(line)
             if line.startswith("KVOWN-"):
                 tag, _, body = line.partition(" ")
                 try:
@@ -125,53 +155,40 @@ def run_world(
                 except ValueError:
                     continue
                 if tag == "KVOWN-RANK":
-                    found[int(value["rank"])] = value
+                    self.found[int(value["rank"])] = value
                 else:
-                    tagged.setdefault(tag, []).append(value)
+                    self.tagged.setdefault(tag, []).append(value)
 
-    def read_err() -> None:
-        for line in proc.stderr:  # type: ignore[union-attr]
-            err_lines.append(line)
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.err.append(line)
 
-    readers = [threading.Thread(target=read_out, daemon=True), threading.Thread(target=read_err, daemon=True)]
-    for t in readers:
-        t.start()
+    def close(self) -> None:
+        for t in self.readers:
+            t.join(timeout=5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            stream.close()  # type: ignore[union-attr]
+
+
+def _wait_world(proc: subprocess.Popen, found: dict[int, dict], ranks: int, timeout_s: float,
+                watch_pids: bool) -> tuple[int | None, int | None, bool]:
+    """Poll every 2 ms until the world exited (and, with ``watch_pids``, every listed rank PID is gone),
+    or ``timeout_s`` passed. Returns (exit_ns, all_gone_ns, timed_out)."""
     end = time.monotonic() + timeout_s
     exit_ns = all_gone_ns = None
-    timed_out = False
-    try:
-        while True:
-            now = time.monotonic_ns()
-            if exit_ns is None and proc.poll() is not None:
-                exit_ns = now
-            every_rank_listed = len(found) == ranks or (exit_ns is not None and found)
-            if watch_pids and all_gone_ns is None and every_rank_listed:
-                if not any(process_alive(int(r["pid"]), r.get("start_ticks")) for r in found.values()):
-                    all_gone_ns = now
-            if exit_ns is not None and (not watch_pids or all_gone_ns is not None or not found):
-                break
-            if time.monotonic() > end:
-                timed_out = True
-                break
-            time.sleep(0.002)
-    finally:
-        if proc.poll() is None:
-            kill_group(proc, wait_s=3)
-        for t in readers:
-            t.join(timeout=5)
-        for stream in (proc.stdout, proc.stderr):
-            stream.close()  # type: ignore[union-attr]
-    return WorldRun(
-        proc.returncode,
-        "".join(out_lines),
-        "".join(err_lines),
-        started,
-        exit_ns,
-        timed_out,
-        found,
-        tagged,
-        all_gone_ns,
-    )
+    while True:
+        now = time.monotonic_ns()
+        if exit_ns is None and proc.poll() is not None:
+            exit_ns = now
+        every_rank_listed = len(found) == ranks or (exit_ns is not None and found)
+        if watch_pids and all_gone_ns is None and every_rank_listed:
+            if not any(process_alive(int(r["pid"]), r.get("start_ticks")) for r in list(found.values())):
+                all_gone_ns = now
+        if exit_ns is not None and (not watch_pids or all_gone_ns is not None or not found):
+            return exit_ns, all_gone_ns, False
+        if time.monotonic() > end:
+            return exit_ns, all_gone_ns, True
+        time.sleep(0.002)
 
 
 # ---- the two worlds --------------------------------------------------------------------------------

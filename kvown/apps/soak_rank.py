@@ -58,7 +58,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def main(argv: list[str] | None = None) -> int:
+_TOTALS = ("completed", "cancelled", "aborted", "failed", "unfinished", "corrupted_blocks", "verified_blocks",
+           "canary_broken", "released")
+_RECEIVER_TOTALS = _TOTALS[:7]  # what run_receiver counts; canary_broken is counted here (rule 2)
+_COUNTERS = ("control_sent", "control_resent", "control_send_failures", "rejected_frames", "bytes_written",
+             "local_protocol_errors", "duplicate_frames")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvown.apps.soak_rank")
     ap.add_argument("--duration-s", type=float, required=True)
     ap.add_argument(
@@ -69,151 +76,135 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plant", default="", help=argparse.SUPPRESS)  # comma list of PLANTS (tests)
     ap.add_argument("--out", required=True, help="directory for samples-rank{R}.jsonl")
     args = ap.parse_args(argv)
-    plants = set(filter(None, args.plant.split(",")))
-    if plants - set(PLANTS):
+    args.plants = set(filter(None, args.plant.split(",")))
+    if args.plants - set(PLANTS):
         ap.error(f"--plant takes {PLANTS}")
-    sys.setswitchinterval(2e-4)  # as the demo: the engine thread must not wait 5 ms for the GIL
+    return args
 
-    from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    ctx, gen = list(range(size // 2)), list(range(size // 2, size))
-    role = "sender" if rank in ctx else "receiver"
-    config = TransferConfig(transfer_timeout_s=args.timeout_s, canary=True)
-    rt = connect_mpi(comm, layout=layout_for(args), config=config, roles={role},
-                     wrap_transport=fault_wrapper(args.fault or ""))
-    executor = CountingExecutor()
-    hang = rt.hang_detector(args.hang_timeout_s, executor=executor, c_backstop=False)
-    gap = {"last": time.monotonic(), "max": 0.0}
+class _Soak:
+    """One rank's soak: its runtime, its counted hang detector, the heartbeat gap and the totals."""
 
-    def beat() -> None:
+    def __init__(self, args: argparse.Namespace, comm: Any) -> None:
+        self.args, self.comm = args, comm
+        self.rank, size = comm.Get_rank(), comm.Get_size()
+        self.ctx, self.gen = list(range(size // 2)), list(range(size // 2, size))
+        self.role = "sender" if self.rank in self.ctx else "receiver"
+        self.config = TransferConfig(transfer_timeout_s=args.timeout_s, canary=True)
+        self.rt = connect_mpi(comm, layout=layout_for(args), config=self.config, roles={self.role},
+                              wrap_transport=fault_wrapper(args.fault or ""))
+        self.executor = CountingExecutor()
+        self.hang: HangDetector = self.rt.hang_detector(args.hang_timeout_s, executor=self.executor,
+                                                        c_backstop=False)
+        self.gap = {"last": time.monotonic(), "max": 0.0}
+        self.totals = dict.fromkeys(_TOTALS, 0)
+        self.samples_path = os.path.join(args.out, f"samples-rank{self.rank}.jsonl")
+
+    def beat(self) -> None:
         now = time.monotonic()
-        gap["max"] = max(gap["max"], now - gap["last"])
-        gap["last"] = now
-        hang.heartbeat()
+        self.gap["max"] = max(self.gap["max"], now - self.gap["last"])
+        self.gap["last"] = now
+        self.hang.heartbeat()
 
-    def meet() -> None:
-        with hang.pause():
-            barrier = comm.Ibarrier()
+    def meet(self) -> None:
+        with self.hang.pause():
+            barrier = self.comm.Ibarrier()
             while not barrier.Test():
                 time.sleep(0.001)
-        gap["last"] = time.monotonic()
+        self.gap["last"] = time.monotonic()
 
-    samples_path = os.path.join(args.out, f"samples-rank{rank}.jsonl")
-    totals = {
-        "completed": 0,
-        "cancelled": 0,
-        "aborted": 0,
-        "failed": 0,
-        "unfinished": 0,
-        "corrupted_blocks": 0,
-        "verified_blocks": 0,
-        "canary_broken": 0,
-        "released": 0,
-    }
-    comm.Barrier()
-    t0 = time.monotonic()
-    hard_deadline = t0 + args.duration_s + args.grace_run_s
-    k = 0
-    while True:
-        with hang.pause():
-            go = comm.bcast(time.monotonic() - t0 < args.duration_s if rank == 0 else None, root=0)
-        gap["last"] = time.monotonic()
-        if not go:
-            break
+    def go(self, t0: float) -> bool:
+        with self.hang.pause():
+            go = self.comm.bcast(time.monotonic() - t0 < self.args.duration_s if self.rank == 0 else None, root=0)
+        self.gap["last"] = time.monotonic()
+        return bool(go)
+
+    def tick_for(self, k: int) -> Any:
+        if not ("hang" in self.args.plants and k == 1 and self.rank == 0):
+            return self.beat
+
+        def tick() -> None:  # planted: the loop stalls once for twice the hang timeout
+            self.beat()
+            if not self.gap.get("stalled"):
+                self.gap["stalled"] = True
+                time.sleep(2 * self.args.hang_timeout_s)
+
+        return tick
+
+    def run_round(self, k: int, hard_deadline: float) -> float:
+        """Round k (rule 1); returns its wall time in seconds."""
         epoch = k + 1
-        round_args = argparse.Namespace(**{**vars(args), "seed": args.seed * 100_003 + k})
-        plan = [
-            dataclasses.replace(p, request_id=make_request_id(epoch, p.index))
-            for p in make_plan(round_args, ctx, gen)
-        ]
+        round_args = argparse.Namespace(**{**vars(self.args), "seed": self.args.seed * 100_003 + k})
+        plan = [dataclasses.replace(p, request_id=make_request_id(epoch, p.index))
+                for p in make_plan(round_args, self.ctx, self.gen)]
         round_t0 = time.monotonic()
-        tick = beat
-        if "hang" in plants and k == 1 and rank == 0:
-
-            def tick() -> None:  # planted: the loop stalls once for twice the hang timeout
-                beat()
-                if not gap.get("stalled"):
-                    gap["stalled"] = True
-                    time.sleep(2 * args.hang_timeout_s)
-
-        if role == "sender":
-            local = run_sender(rt, comm, plan, round_args, hard_deadline, tick=tick)
-            totals["released"] += local["released"]
-            totals["unfinished"] += local["unreleased"]
+        if self.role == "sender":
+            local = run_sender(self.rt, self.comm, plan, round_args, hard_deadline, tick=self.tick_for(k))
+            self.totals["released"] += local["released"]
+            self.totals["unfinished"] += local["unreleased"]
         else:
-            local = run_receiver(rt, comm, plan, round_args, hard_deadline, None, tick=tick)
-            for key in (
-                "completed",
-                "cancelled",
-                "aborted",
-                "failed",
-                "unfinished",
-                "corrupted_blocks",
-                "verified_blocks",
-            ):
-                totals[key] += local[key]
-        round_s = time.monotonic() - round_t0
-        meet()  # the world is quiet: every session of this round ended on every rank
-        rt.set_watermark(epoch + 1)
-        if role == "receiver" and "leak" in plants and k == 1:
-            leaked_rid = make_request_id(epoch, 10**6)
-            rt.testing.plant_leak(leaked_rid)
-        if role == "receiver" and "corrupt" in plants and k == 1:
+            local = run_receiver(self.rt, self.comm, plan, round_args, hard_deadline, None, tick=self.tick_for(k))
+            for key in _RECEIVER_TOTALS:
+                self.totals[key] += local[key]
+        return time.monotonic() - round_t0
 
-            rt.testing.plant_scribble()  # a late write lands in a free (retired) block
+    def plant_after(self, k: int, epoch: int) -> None:
+        if self.role == "receiver" and "leak" in self.args.plants and k == 1:
+            self.rt.testing.plant_leak(make_request_id(epoch, 10**6))
+        if self.role == "receiver" and "corrupt" in self.args.plants and k == 1:
+            self.rt.testing.plant_scribble()  # a late write lands in a free (retired) block
+
+    def sample(self, k: int, t0: float, round_s: float) -> dict[str, Any]:
+        """What rule 2 records after round k, with the world quiet."""
+        rt = self.rt
         canary_broken = 0  # counted here only (run_receiver's own check would count a block twice)
-        if role == "receiver":  # restamp: count each broken block once, keep the soak running
+        if self.role == "receiver":  # restamp: count each broken block once, keep the soak running
             canary_broken = len(rt.audit(restamp=True).canary_broken)
-            totals["canary_broken"] += canary_broken
+            self.totals["canary_broken"] += canary_broken
         audit = rt.audit(check_canaries=False)
-        settle_end = time.monotonic() + 2 * config.control_retry_s
+        settle_end = time.monotonic() + 2 * self.config.control_retry_s
         while audit.leaks and time.monotonic() < settle_end:
             time.sleep(0.01)  # a send that just raised is resent on the next step: not a leak (yet)
             audit = rt.audit(check_canaries=False)
         stats = rt.statistics()
         pool = stats.pool.to_dict()
-        sample = {
-            "rank": rank,
-            "role": role,
-            "round": k,
-            "epoch": epoch,
-            "t_s": round(time.monotonic() - t0, 3),
-            "round_s": round(round_s, 3),
-            "rss_bytes": rss_bytes(),
-            "pool": pool,
-            "pool_accounting_ok": pool["total"] == pool["free"] + pool["owned"] + pool["held"],
-            "blocks_held": pool["owned"] + pool["held"] if role == "receiver" else 0,
-            "tables": dict(audit.tables),
-            "leaks": audit.leaks,
-            "totals": dict(totals),
-            "canary_broken_now": canary_broken,
-            "hang_reports": len(executor.reports),
-            "max_heartbeat_gap_s": round(gap["max"], 4),
-            "counters": {
-                name: stats.counter(name)
-                for name in (
-                    "control_sent",
-                    "control_resent",
-                    "control_send_failures",
-                    "rejected_frames",
-                    "bytes_written",
-                    "local_protocol_errors",
-                    "duplicate_frames",
-                )
-            },
-            "faults": dict(stats.faults),
-            "fences": audit.fences,
-            "fence_nbytes": audit.fence_nbytes,
+        return {
+            "rank": self.rank, "role": self.role, "round": k, "epoch": k + 1,
+            "t_s": round(time.monotonic() - t0, 3), "round_s": round(round_s, 3), "rss_bytes": rss_bytes(),
+            "pool": pool, "pool_accounting_ok": pool["total"] == pool["free"] + pool["owned"] + pool["held"],
+            "blocks_held": pool["owned"] + pool["held"] if self.role == "receiver" else 0,
+            "tables": dict(audit.tables), "leaks": audit.leaks, "totals": dict(self.totals),
+            "canary_broken_now": canary_broken, "hang_reports": len(self.executor.reports),
+            "max_heartbeat_gap_s": round(self.gap["max"], 4),
+            "counters": {name: stats.counter(name) for name in _COUNTERS},
+            "faults": dict(stats.faults), "fences": audit.fences, "fence_nbytes": audit.fence_nbytes,
             "fences_compacted": audit.fences_compacted,
         }
-        with open(samples_path, "a") as f:
-            f.write(json.dumps(sample) + "\n")
-        k += 1
-    hang.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    sys.setswitchinterval(2e-4)  # as the demo: the engine thread must not wait 5 ms for the GIL
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    soak = _Soak(args, comm)
     comm.Barrier()
-    rt.exit(0)
+    t0 = time.monotonic()
+    hard_deadline = t0 + args.duration_s + args.grace_run_s
+    k = 0
+    while soak.go(t0):
+        round_s = soak.run_round(k, hard_deadline)
+        soak.meet()  # the world is quiet: every session of this round ended on every rank
+        soak.rt.set_watermark(k + 2)
+        soak.plant_after(k, k + 1)
+        with open(soak.samples_path, "a") as f:
+            f.write(json.dumps(soak.sample(k, t0, round_s)) + "\n")
+        k += 1
+    soak.hang.stop()
+    comm.Barrier()
+    soak.rt.exit(0)
 
 
 if __name__ == "__main__":
