@@ -37,6 +37,8 @@ Rules:
   6. A FailStop - from a core, from the resend budget, from a broken canary, or an
      ``InvariantViolation`` raised during a step - latches ``fatal``, is handed to ``on_fail_stop``
      once, and from then on ``step`` does nothing: every block, handle and root stays held.
+  6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug (the API validated the call and
+     rule 7a settles late closes), so it is an ``InvariantViolation``: the INVARIANT fail-stop of rule 6.
   7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``,
      ``statistics`` and ``view`` (an immutable ``RankView``, swapped whole when a peer is loaded). The
      cores are read and written only under ``lock``, which ``step`` holds just while a core handles
@@ -386,13 +388,21 @@ class Driver:
                     self.stats["rejected_peer_input"] += 1
                     self.recorder.record("peer_protocol_error", getattr(event, "request_id", None), error=str(exc))
                     continue
-                except LocalProtocolError as exc:  # a race between API calls (cancel vs release, ...)
-                    self.stats["local_protocol_errors"] += 1
-                    self.recorder.record("local_protocol_error", getattr(event, "request_id", None), error=str(exc))
+                except LocalProtocolError as exc:
+                    self._core_bug(event, exc)  # raises (rule 6a); the old swallow continued here
                     continue
             self._execute(core, actions)
             if self._unpublished and core is self.sender:
                 self._note_publication(event)
+
+    def _core_bug(self, event: Event, exc: LocalProtocolError) -> None:
+        """Rule 6a: a core refused a local input inside the engine - our bug, never a race between API
+        calls (rule 7a settles those before the core) - so it is an INVARIANT fail-stop (rule 6)."""
+        rid = getattr(event, "request_id", None)
+        self.stats["local_protocol_errors"] += 1
+        self.recorder.record("local_protocol_error", rid, error=str(exc))
+        raise InvariantViolation("a core refused a local input inside the engine (our bug)",
+                                 request_id=rid, event=type(event).__name__, error=str(exc)) from exc
 
     def _note_publication(self, event: Event) -> None:
         """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an

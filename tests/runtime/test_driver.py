@@ -542,3 +542,51 @@ def test_cancel_writers_are_checked_in_the_callers_thread() -> None:
     with pytest.raises(LocalProtocolError) as err:
         p.tx.send(make_request_id(1, 53), (0, 1), num_pieces=2, dst_suffix=True)
     assert err.value.field == "dst_suffix"
+
+
+# ---- a LocalProtocolError inside the engine is our bug: an INVARIANT fail-stop (driver rule 6a) -----
+
+
+def _planted_core_bug(p: Pair, monkeypatch: pytest.MonkeyPatch):
+    """The receiver core refuses a release it should accept (a planted bug): what does the rank do?"""
+    from kvown.core.events import ReleaseRequested
+
+    rid, handle, _ = p.transfer(37)
+    core = p.drivers[RX].receiver
+    real = core.handle
+
+    def buggy(event, now_ns):
+        if type(event) is ReleaseRequested:
+            raise LocalProtocolError("planted core bug", field="request_id", request_id=event.request_id)
+        return real(event, now_ns)
+
+    monkeypatch.setattr(core, "handle", buggy)
+    p.rx.release(rid)
+    p.run(steps=5)
+    return rid, handle
+
+
+@pytest.mark.timeout(30)
+def test_a_local_protocol_error_inside_the_engine_fail_stops_with_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = Pair()
+    rid, handle = _planted_core_bug(p, monkeypatch)
+    fatal = p.fatal.get(RX)
+    assert fatal is not None and fatal.reason is FatalReason.INVARIANT and fatal.request_id == rid
+    assert "planted core bug" in fatal.detail and "ReleaseRequested" in fatal.detail
+    assert p.drivers[RX].fatal is fatal and not handle.retired.is_set()  # everything stays held
+    kinds = [e[1] for e in p.drivers[RX].recorder.events()]
+    assert kinds.index("local_protocol_error") < kinds.index("fail_stop")  # recorded, then the stop
+    assert p.drivers[RX].stats["local_protocol_errors"] == 1 and TX not in p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_the_core_bug_check_catches_a_driver_that_swallows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the old driver, which counted a LocalProtocolError as "a race between API calls" and went on."""
+    def swallow(self, event, exc) -> None:
+        self.stats["local_protocol_errors"] += 1
+
+    monkeypatch.setattr(Driver, "_core_bug", swallow)
+    p = Pair()
+    rid, handle = _planted_core_bug(p, monkeypatch)
+    assert RX not in p.fatal and p.drivers[RX].fatal is None  # what the check above rules out
+    assert p.drivers[RX].stats["local_protocol_errors"] == 1 and not handle.retired.is_set()
