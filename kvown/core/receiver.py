@@ -90,7 +90,7 @@ from kvown.core.events import (
     OpenReceive,
     ReleaseRequested,
 )
-from kvown.core.fence import CancelOrigin
+from kvown.core.fence import ORIGIN_OF_OUTCOME, CancelOrigin
 from kvown.core.ids import is_valid_request_id
 from kvown.core.machine import CoreConfig, RankCore
 from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
@@ -452,7 +452,7 @@ class ReceiverCore(RankCore[ReceiveSession]):
             s.state = RxState.DELIVERED
         actions.append(Conclude(s.request_id, outcome, reason))
         if outcome is not Outcome.COMPLETED:
-            self.fence.install(s.request_id, _ORIGIN[outcome])
+            self.fence.install(s.request_id, ORIGIN_OF_OUTCOME[outcome])
             s.state = RxState.DRAINING
         if s.writer_claims():
             s.clock.start_drain(now_ns, reason)
@@ -531,9 +531,3 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _state_name(self, s: ReceiveSession) -> str:
         return s.state.value
 
-
-_ORIGIN = {
-    Outcome.CANCELLED: CancelOrigin.CLIENT,
-    Outcome.FAILED: CancelOrigin.FAILURE,
-    Outcome.TIMED_OUT: CancelOrigin.TIMEOUT,
-}

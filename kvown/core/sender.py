@@ -85,7 +85,7 @@ from kvown.core.events import (
     WriteSubmitFailed,
     WriteSubmitted,
 )
-from kvown.core.fence import CancelOrigin
+from kvown.core.fence import ORIGIN_OF_OUTCOME, CancelOrigin
 from kvown.core.ids import is_valid_request_id
 from kvown.core.machine import CoreConfig, RankCore
 from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
@@ -490,7 +490,7 @@ class SenderCore(RankCore[SendSession]):
         s.outcome, s.reason = outcome, reason
         actions.append(Conclude(s.request_id, outcome, reason))
         if outcome is not Outcome.COMPLETED:
-            self.fence.install(s.request_id, _ORIGIN[outcome])
+            self.fence.install(s.request_id, ORIGIN_OF_OUTCOME[outcome])
             s.clock.start_drain(now_ns, reason)
             for stream in s.streams.values():
                 self._refuse_admitted(s, stream, actions)
@@ -591,4 +591,3 @@ _WRITE_INPUT = {
     WriteCompleted: OpInput.DONE,
     WriteFailed: OpInput.FAILED,
 }
-_ORIGIN = {Outcome.CANCELLED: CancelOrigin.CLIENT, Outcome.FAILED: CancelOrigin.FAILURE, Outcome.TIMED_OUT: CancelOrigin.TIMEOUT}
