@@ -126,6 +126,58 @@ OP_TRANSITIONS: dict[tuple[OpState, OpInput], OpState] = {
     (OpState.IN_DOUBT, OpInput.FAILED): OpState.IN_DOUBT,  # repeated failure keeps the evidence
     (OpState.BACKEND_DONE, OpInput.DONE): OpState.BACKEND_DONE,  # idempotent
 }
+class SxState(enum.Enum):
+    """A send session's state: derived from its fields (``SendSession.state``), never stored."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    OPEN = "open"  # no outcome; no receiver's publication attached yet
+    PUBLISHED = "published"  # no outcome; some receiver's stream attached (its writes may be posted)
+    DRAINING = "draining"  # outcome committed; operations in flight or acknowledgements owed
+    RELEASED = "released"  # ReleaseSource emitted: nothing reads the source; the session is gone (terminal)
+    FATAL = "fatal"  # operations unproven at the fail-stop deadline (terminal, sticky)
+
+
+class SxInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    PUBLISH = "publish"  # a receiver's REQUEST_DATA attached a stream
+    SOURCE_READY = "source_ready"  # a piece's write-ready event completed
+    WRITE = "write"  # the driver's answer for one of its operations (the op table's inputs)
+    CANCEL = "cancel"  # the embedding server's cancel
+    PEER_CANCEL = "peer_cancel"  # a receiver's CANCEL_SESSION
+    POISON = "poison"  # another session's operation went in doubt (rule 2)
+    TIMEOUT = "timeout"  # the request deadline passed with no outcome
+    DEADLINE = "deadline"  # operations still unproven at the fail-stop deadline
+
+
+_OP, _PU, _DR, _RE = SxState.OPEN, SxState.PUBLISHED, SxState.DRAINING, SxState.RELEASED
+_MOVES, _ENDS = frozenset({_PU, _DR, _RE}), frozenset({_DR, _RE})
+# (state, input) -> the states the session may be in afterwards; ``SenderCore._sx_guard`` checks each
+# step against it. Pairs absent here are illegal (for the time inputs: unreachable, our bug).
+SX_TRANSITIONS: dict[tuple[SxState, SxInput], frozenset[SxState]] = {
+    # posts at once when its source is ready; one that does not fit is declined (rule 4): still OPEN
+    (_OP, SxInput.PUBLISH): frozenset({_OP, _PU, _DR, _RE}),
+    (_OP, SxInput.SOURCE_READY): frozenset({_OP}),
+    (_OP, SxInput.CANCEL): frozenset({_RE}),  # nothing was posted: released at once (rule 4)
+    (_OP, SxInput.PEER_CANCEL): frozenset({_RE}),
+    (_PU, SxInput.PUBLISH): _MOVES,
+    (_PU, SxInput.SOURCE_READY): _MOVES,
+    (_PU, SxInput.WRITE): _MOVES,
+    (_PU, SxInput.CANCEL): _ENDS,
+    (_PU, SxInput.PEER_CANCEL): _ENDS,
+    (_PU, SxInput.POISON): _ENDS,
+    (_PU, SxInput.TIMEOUT): _ENDS,  # (the request deadline comes before any fail-stop deadline)
+    (_DR, SxInput.PUBLISH): _ENDS,  # answered FAILED at once: nothing is posted after the outcome
+    (_DR, SxInput.SOURCE_READY): _ENDS,
+    (_DR, SxInput.WRITE): _ENDS,
+    (_DR, SxInput.CANCEL): _ENDS,
+    (_DR, SxInput.PEER_CANCEL): _ENDS,  # (poison reaches only sessions with ADMITTED ops: never DRAINING)
+    (_DR, SxInput.DEADLINE): frozenset({SxState.FATAL}),
+}
+SX_PEER_INPUTS = frozenset({SxInput.PUBLISH, SxInput.PEER_CANCEL})
+_FATAL_REASON = "fatal"  # what ``_mark_fatal`` writes into ``reason``: the one field that says FATAL
+
 LIVE = frozenset({OpState.ADMITTED, OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})
 IN_FLIGHT = frozenset({OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})  # may touch memory
 REPORTABLE = frozenset({OpState.BACKEND_DONE, OpState.NOT_SUBMITTED, OpState.IN_DOUBT})
@@ -189,6 +241,15 @@ class SendSession:
     reason: str = ""
     dst_suffix: bool = False  # rule 4a
 
+    @property
+    def state(self) -> SxState:
+        """Derived from the fields (a live session is never RELEASED: that one is gone)."""
+        if self.reason == _FATAL_REASON:
+            return SxState.FATAL
+        if self.outcome is not None:
+            return SxState.DRAINING
+        return SxState.PUBLISHED if self.streams else SxState.OPEN
+
     def piece_blocks(self, piece: int) -> slice:
         n = len(self.src_blocks)
         return slice(piece * n // self.num_pieces, (piece + 1) * n // self.num_pieces)
@@ -223,6 +284,42 @@ class SenderCore(RankCore[SendSession]):
     # ---- dispatch -----------------------------------------------------------------------------
 
     def _dispatch(self, event: Event, now_ns: int, actions: list[Action]) -> None:
+        s, kind = self._session_input(event)
+        if s is None or kind is None:
+            self._dispatch_input(event, now_ns, actions)
+            return
+        before = s.state
+        if (before, kind) not in SX_TRANSITIONS:
+            error = PeerProtocolError if kind in SX_PEER_INPUTS else LocalProtocolError
+            raise error("illegal input for the send session's state", field=kind.value,
+                        request_id=s.request_id, state=before.value)
+        self._dispatch_input(event, now_ns, actions)
+        self._sx_guard(s, before, kind)
+
+    def _session_input(self, event: Event) -> tuple[SendSession | None, SxInput | None]:
+        """The live session an input is for, and its kind for SX_TRANSITIONS (None, None: no session)."""
+        t = type(event)
+        if t is MessageReceived:
+            message = event.envelope.message  # type: ignore[attr-defined]
+            kind = {RequestData: SxInput.PUBLISH, CancelSession: SxInput.PEER_CANCEL}.get(type(message))
+            return (self.sessions.get(message.request_id), kind) if kind is not None else (None, None)
+        if t is SourceReady or t is CancelRequested:
+            kind = SxInput.SOURCE_READY if t is SourceReady else SxInput.CANCEL
+            return self.sessions.get(event.request_id), kind  # type: ignore[attr-defined]
+        if t in _WRITE_INPUT:
+            entry = self._ops.get(event.op_id)  # type: ignore[attr-defined]
+            return (entry[0], SxInput.WRITE) if entry is not None else (None, None)
+        return None, None
+
+    def _sx_guard(self, s: SendSession, before: SxState, kind: SxInput) -> None:
+        """The session's step from ``before`` must be a cell of SX_TRANSITIONS: its state is derived
+        from its fields, so a handler that moved it elsewhere is our bug."""
+        after = s.state if self.sessions.get(s.request_id) is s else SxState.RELEASED
+        if after not in SX_TRANSITIONS.get((before, kind), ()):
+            raise InvariantViolation("send session step outside SX_TRANSITIONS", request_id=s.request_id,
+                                     state=before.value, input=kind.value, to=after.value)
+
+    def _dispatch_input(self, event: Event, now_ns: int, actions: list[Action]) -> None:
         if isinstance(event, MessageReceived):
             message, src = event.envelope.message, event.envelope.src_rank
             if isinstance(message, RequestData):
@@ -402,8 +499,10 @@ class SenderCore(RankCore[SendSession]):
             self._conclude(s, Outcome.FAILED, "write in doubt", now_ns, actions)
             for other in list(self.sessions.values()):  # rule 2: poison refuses everything not yet posted
                 if other is not s and any(op.state is OpState.ADMITTED for st in other.streams.values() for op in st.ops):
+                    before = other.state
                     self._conclude(other, Outcome.FAILED, "sender poisoned", now_ns, actions)
                     self._after_progress(other, now_ns, actions)
+                    self._sx_guard(other, before, SxInput.POISON)
         elif op.state is OpState.NOT_SUBMITTED:
             self._conclude(s, Outcome.FAILED, f"write not submitted: {event.reason}", now_ns, actions)  # type: ignore[attr-defined]
         self._flush(s, stream, actions)
@@ -519,9 +618,11 @@ class SenderCore(RankCore[SendSession]):
 
     def _evaluate(self, request_id: int, s: SendSession, now_ns: int, actions: list[Action]) -> None:
         if s.outcome is None and s.clock.timed_out(now_ns):
+            before = s.state
             self.fence.install(request_id, CancelOrigin.TIMEOUT)
             self._conclude(s, Outcome.TIMED_OUT, "transfer timeout", now_ns, actions)
             self._after_progress(s, now_ns, actions)
+            self._sx_guard(s, before, SxInput.TIMEOUT)
 
     def _session_deadlines(self, s: SendSession) -> tuple[int | None, int | None]:
         return (s.clock.request_deadline_ns if s.outcome is None else None), self._fatal_deadline_ns(s)
@@ -534,10 +635,12 @@ class SenderCore(RankCore[SendSession]):
         return FailStop(FatalReason.DEADLINE, request_id, f"send operations unproven at the deadline: {ops}")
 
     def _mark_fatal(self, s: SendSession) -> None:
-        s.reason = "fatal"
+        before = s.state
+        s.reason = _FATAL_REASON
+        self._sx_guard(s, before, SxInput.DEADLINE)
 
     def _state_name(self, s: SendSession) -> str:
-        return "open" if s.outcome is None else "draining"
+        return s.state.value
 
     def open_sessions(self) -> list[dict[str, object]]:
         """Pure: every live session as plain values, for post-mortems (see ``ReceiverCore.open_sessions``)."""
