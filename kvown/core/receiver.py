@@ -1,65 +1,27 @@
 """Receiver (generation side): the evidence ledger that decides when destination blocks may retire.
 
-Owns: for every live receive session, who was published, what each writer reported, the logical
-outcome, the local completions still pending, and the retirement clock; for the rank, the fence and
-the admission quarantine.
+Owns: per live session the published writers, their reports, the outcome, pending local completions
+and the retirement clock; per rank the fence and the admission quarantine.
 
-Theory of operation:
-  OpenReceive publishes the destination: REQUEST_DATA to every writer. From the moment the core
-  emits those actions each writer counts as *published*, because a send that fails may still have
-  delivered the frame (the driver resends it or fail-stops; it never reports "not sent"). Writers answer per piece
-  (KV_RESULT, AUX_RESULT) and, when asked with CANCEL_SESSION, with SESSION_QUIESCED after every
-  earlier result. The *logical* outcome (completed, cancelled, failed, timed out) is committed once.
-  The *physical* side retires the blocks only when every published writer is settled and nothing
-  local is pending. Until then the blocks are held; if the fail-stop deadline passes first, the
-  rank fail-stops instead.
-
-Rules:
-  1. Only a published writer's evidence counts. A result from outside the published set, from a second
-     writer touching an already-claimed head slice, a contradictory repeat, or any result after the
-     writer's stream ended (except FAILED_QUIESCED for an in-doubt piece) is *invalid evidence*: the
-     session is disputed (it can never retire: it drains to a fail-stop), admission is quarantined,
-     and ``handle`` returns a ``Disputed`` action. It does not raise: the dispute IS the response.
-     Only a message that changes nothing raises ``PeerProtocolError`` (unknown request, wrong stream).
-  1a. A writer *claims* its head slice with its first SUCCESS or IN_DOUBT (the only results that say
-     bytes may have moved). A FAILED result means nothing was posted for that piece: from a writer that
-     claimed nothing it is a *decline* (a broadcast candidate that was not selected, or was fenced), which
-     settles that writer with its ``is_last`` and fails the session only when no other candidate of
-     the slice can still deliver it.
-  2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
-     SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
-  3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed.
-     From a rank outside the published set it cannot be honest, but it claims nothing either: admission
-     is quarantined (counted as ``foreign_acks``, reported with a ``Disputed`` action) and the session
-     itself is left as it was. For an unknown request or an uncommitted session it is stale or
-     unsolicited: ignored and counted.
-  4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
+Rules (states: ``RX_TRANSITIONS``, ``RX_TIMER_TRANSITIONS``, ``_rx_guard``; why: docs/design.md s. 14):
+  1. Only a published writer's evidence counts; invalid evidence disputes the session (it never retires),
+     quarantines admission and returns ``Disputed``; ``PeerProtocolError`` only for a no-op message.
+  1a. A writer claims its head slice with its first SUCCESS or IN_DOUBT; a FAILED from one that claimed
+     nothing is a decline, failing the session only when no candidate of the slice can still deliver.
+  2. A writer is settled when its stream ended (``is_last``) or it acked, and no piece is in doubt.
+  3. SESSION_QUIESCED counts only from a published writer of a committed session; an outsider's
+     quarantines admission (``foreign_acks``, ``Disputed``) and leaves the session; else it is stale.
+  4. IN_DOUBT fails the session, holds the destination and quarantines admission; FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
-  4a. A carried report (``MessageReceived.carried``: the WRITE's own notification, sender rule 6)
-     is ordered against no control message. Arriving after that writer's SESSION_QUIESCED it is
-     stale, not a lie: NIXL sends it only once its WRITE completed, so it can announce no write in
-     flight, and the ack already proved the writer quiescent (a writer acks a cancel for a session it
-     finished at once, while the report may still be on its way). It is counted (``stale_carried``)
-     and changes nothing. On the ordered stream a result after the ack stays invalid evidence (rule 1).
-  5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
-     number), to every published writer not yet settled, once. The one exception carries no claim:
-     a cancel of a request with no session here that names writers (``CancelRequested.notify``)
-     tells each of them, so a writer holding source blocks for a publication that will never come
-     releases them at once; their acknowledgements arrive for no session and are counted stale.
-  6. Every open claim has a fail-stop deadline, and the deadline heap holds it after every input:
-     writer claims and disputes use the session's retirement clock (request deadline + grace, or
-     drain start + grace); each local completion has its own clock, started when it was queued
-     (start + grace), so a copy queued after delivery never inherits an old deadline.
-     ``check_fatal(now)`` and ``handle(Tick(), now)`` therefore agree at every instant.
+  4a. A carried report after its writer's SESSION_QUIESCED is stale (``stale_carried``), not disputed.
+  5. CANCEL_SESSION follows its REQUEST_DATA, once to each unsettled published writer; a cancel with
+     no session here tells the writers in ``CancelRequested.notify``.
+  6. Every open claim's fail-stop deadline is in the heap after every input (a local completion has
+     its own clock), so ``check_fatal(now)`` and ``handle(Tick(), now)`` agree at every instant.
 
-Invariants:
-  INV-R1: RetireBlocks(r) is emitted only when every published writer of r is settled, no local
-          completion is pending and r is not disputed.
-  INV-R2: the outcome of a session is committed at most once.
-  INV-R3: each (writer, piece kind, piece) result is counted at most once.
-  INV-R4: after FailStop nothing retires.
-
-Tools that read this table: ``kvown.apps.docs_gen`` (docs/state-machines.md) and tests/core/test_totality.py.
+Invariants: INV-R1 RetireBlocks(r) only when every published writer of r is settled, no local completion
+is pending and r is not disputed. INV-R2 the outcome is committed at most once. INV-R3 each (writer,
+piece kind, piece) result is counted at most once. INV-R4 after FailStop nothing retires.
 """
 
 from __future__ import annotations

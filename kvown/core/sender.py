@@ -1,57 +1,27 @@
 """Sender (context side): physical write operations, ordered result streams, quiescence acks.
 
-Owns: for every live send session, one stream per receiver that published to us, and per stream one
-operation per piece; for the rank, the fence, the publications waiting for a session, and the poison
-latch.
+Owns: per live session a stream per receiver that published to us, an operation per piece of each;
+per rank the fence, the publications waiting for a session, and the poison latch.
 
-Theory of operation:
-  A receiver's REQUEST_DATA attaches a stream to the session (or waits for the session to open).
-  Each piece of each stream becomes one operation. An operation is posted (``PostWrite``) only once
-  its source piece is ready (the producer's write-ready event completed) - never earlier. Results go
-  back on the stream strictly in piece order; the result that ends the stream carries ``is_last``.
-  CANCEL_SESSION fences the request id for good, refuses every operation not yet posted, waits for
-  the posted ones, and then - after every earlier result on that stream - sends SESSION_QUIESCED.
-
-Rules:
-  1. Operation states follow ``OP_TRANSITIONS``; anything else raises ``LocalProtocolError`` and
-     changes nothing.
-  2. Any backend outcome but DONE (an error status, an exception while posting or polling) makes the
-     operation IN_DOUBT: its handle stays rooted (the driver keeps it), the rank is *poisoned* (no
-     further operation is ever posted) and only a later DONE on the same handle settles it, reported
-     as FAILED_QUIESCED after the IN_DOUBT report.
-  3. SESSION_QUIESCED for a receiver is emitted only when none of that stream's operations is
-     ADMITTED, SUBMITTING, SUBMITTED or IN_DOUBT, and after every earlier result on the stream.
-  4. A cancel for a request with no session installs the fence and acknowledges at once; a later
-     session for a fenced id is born cancelled and posts nothing. A publication that can never be
-     served - its id is fenced here (before or after it arrived), or its block count differs from the
-     session's - is answered at once with a final FAILED result (nothing was posted), never dropped
-     silently: the receiver must not wait out its timeout for a writer that already knows.
+Rules (states: ``SX_TRANSITIONS`` over the derived ``SendSession.state``; why: docs/design.md s. 14):
+  1. Operation states follow ``OP_TRANSITIONS``; any other input raises ``LocalProtocolError``, no change.
+  2. Any backend outcome but DONE makes the op IN_DOUBT: its handle stays rooted, the rank is *poisoned*
+     (nothing is posted again) and only a later DONE on that handle settles it (FAILED_QUIESCED).
+  3. SESSION_QUIESCED follows every earlier result of its stream, once no op of it is LIVE.
+  4. A cancel of a request with no session fences it and acknowledges at once; a later session for a
+     fenced id is born cancelled. A publication that can never be served is answered with a final FAILED
+     (nothing posted): at arrival when its id is fenced or it does not fit the live session; if it was
+     saved for a session not yet open, when that session opens (unfit, or born cancelled) or on a local
+     cancel. A peer's CANCEL_SESSION answers only that peer's saved publication (SESSION_QUIESCED).
+  4a. A ``dst_suffix`` session also serves fewer blocks (prefix-cache hit): the last ``len(dst)`` of its source.
   5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
-  4a. A session opened with ``dst_suffix`` (one piece) also serves a publication of FEWER blocks
-     than its source: that receiver holds the prefix already (a prefix-cache hit), and the WRITE
-     covers the last ``len(dst_blocks)`` source blocks, so block i of the destination always gets
-     the KV of the same token block as source block ``len(src) - len(dst) + i``. Never more blocks
-     than the source: that publication is answered FAILED (rule 4).
-  6. Carried results (``carry_results``). When a stream has exactly one operation, its PostWrite
-     carries that stream's whole report - ``KV_RESULT``/``AUX_RESULT`` SUCCESS with ``is_last`` - and
-     the driver hands it to NIXL as the WRITE's notification. NIXL sends a WRITE's notification only
-     after every byte and the endpoint flush completed, and never for a transfer that reported an
-     error or whose post raised (``kvown.adapters.nixl`` rule 7), so its arrival is both the data's
-     landing and the writer's quiescence for that stream. Hence, for that operation:
-       - DONE: nothing is sent on the control stream (the notification is the report), and a
-         cancel on the stream needs no SESSION_QUIESCED (the carried ``is_last`` result settles the
-         writer; an ack could overtake it and make it look like a result after the end);
-       - any other outcome (refused, in doubt, in doubt then DONE): the notification was never sent,
-         so the report goes on the control stream exactly as for an uncarried operation.
-     Only a single-operation stream carries: its report is the first and last of the stream, so it
-     can neither overtake an earlier report nor be overtaken by a later one (NIXL does not order a
-     WRITE's notification against other notifications).
+  6. A single-operation stream's PostWrite carries its whole report (SUCCESS, ``is_last``) as the WRITE's
+     notification (``carry_results``): after DONE nothing more goes on that stream; any other outcome
+     sends the report on the control stream.
 
-Invariants:
-  INV-S1: PostWrite(op) only after SourceReady for its piece and never after a fence, poison or fatal.
-  INV-S2: results on a stream are emitted in piece order; SESSION_QUIESCED, or a carried final
-          result, is the last message of its (request, receiver) stream.
-  INV-S3: an IN_DOUBT operation leaves IN_DOUBT only through WriteCompleted of the same op.
+Invariants: INV-S1 PostWrite(op) only after SourceReady for its piece, never after a fence, poison or
+fatal. INV-S2 results in piece order; SESSION_QUIESCED, or a carried final result, ends its stream.
+INV-S3 an IN_DOUBT op leaves IN_DOUBT only through WriteCompleted of the same op.
 """
 
 from __future__ import annotations
