@@ -271,7 +271,7 @@ class SenderCore(RankCore[SendSession]):
         t = type(event)
         if t is MessageReceived:
             message = event.envelope.message  # type: ignore[attr-defined]
-            kind = {RequestData: SxInput.PUBLISH, CancelSession: SxInput.PEER_CANCEL}.get(type(message))
+            kind = _MESSAGE_INPUT.get(type(message))
             return (self.sessions.get(message.request_id), kind) if kind is not None else (None, None)
         if t is SourceReady or t is CancelRequested:
             kind = SxInput.SOURCE_READY if t is SourceReady else SxInput.CANCEL
@@ -657,6 +657,7 @@ def _result(writer: int, rid: int, op: Operation, last: bool, status: ResultStat
     return cls(writer, rid, 0 if op.kind is PieceKind.AUX else op.piece, last, status, nbytes)
 
 
+_MESSAGE_INPUT = {RequestData: SxInput.PUBLISH, CancelSession: SxInput.PEER_CANCEL}
 _WRITE_INPUT = {
     WriteSubmitted: OpInput.SUBMITTED,
     WriteNotSubmitted: OpInput.NOT_SUBMITTED,

@@ -11,12 +11,12 @@ Rules:
   3a. A ``PostWrite`` with a ``result`` posts it as a carried frame: the WRITE's notification, unordered.
   4. A WRITE whose poll answered IN_DOUBT, or whose post raised, is never released: polled until DONE.
   5. Bad peer input is dropped and counted; it changes no core state.
-  6. A FailStop (a core's, the resend budget's, a broken canary's, an ``InvariantViolation`` in a step)
-     latches ``fatal``, reaches ``on_fail_stop`` once, and then ``step`` does nothing: all stays held.
+  6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
   6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug: the INVARIANT fail-stop of rule 6.
   7. Other threads call only ``submit`` and the pure readers (``check_fatal``, ``next_deadline_ns``,
      ``statistics``, ``view``); cores are touched under ``lock`` only, held while one core handles one event.
-  7a. Late closes are settled here: closing a retired receive is a counted no-op; a ready token waits first.
+  7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a refused send's
+     ready tokens, a watermark under a live session); a close's ready token waits first.
   8. The hot path formats nothing and scans nothing that does not move.
   9. ``probe("retire", request_id)`` (default None) is the one test hook, called mid-retirement.
 
@@ -432,6 +432,11 @@ class Driver:
                 else:  # rule 7a: the session retired before the copy was declared
                     self._late("late_local_copy", rid)
             case SetWatermark(epoch=epoch):
+                refusal = next((why for why in (c.watermark_refusal(epoch) for c in self._cores()) if why), "")
+                if refusal:  # rule 7a: a watermark the cores would refuse is a counted no-op
+                    self.stats["watermark_refused"] += 1
+                    self.recorder.record("watermark_refused", None, epoch=epoch, reason=refusal)
+                    return
                 for core in self._cores():
                     self._events.append((core, WatermarkSet(epoch)))
             case Call(fn=fn, future=future):
@@ -742,11 +747,20 @@ class Driver:
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
+    def _drop_ready(self, rid: int) -> None:
+        """Rule 7a: a refused send's ready tokens, already queued behind its OpenSend, never reach the
+        core (it has no session for them: that would be a LocalProtocolError, our bug)."""
+        kept = [(c, e) for c, e in self._events if not (type(e) is SourceReady and e.request_id == rid)]  # type: ignore[attr-defined]
+        if len(kept) != len(self._events):
+            self._events.clear()
+            self._events.extend(kept)
+
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)
             self._pending_tokens.pop(action.request_id, None)
+            self._drop_ready(action.request_id)
             self._unpublished.pop(action.request_id, None)
             if state is not None:
                 if state.aux_slot >= 0:
