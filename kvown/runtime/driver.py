@@ -750,7 +750,7 @@ class Driver:
     def _drop_ready(self, rid: int) -> None:
         """Rule 7a: a refused send's ready tokens, already queued behind its OpenSend, never reach the
         core (it has no session for them: that would be a LocalProtocolError, our bug)."""
-        kept = [(c, e) for c, e in self._events if not (type(e) is SourceReady and e.request_id == rid)]  # type: ignore[attr-defined]
+        kept = [(c, e) for c, e in self._events if not (type(e) is SourceReady and e.request_id == rid)]
         if len(kept) != len(self._events):
             self._events.clear()
             self._events.extend(kept)
