@@ -5,7 +5,7 @@ and the retirement clock; per rank the fence and the admission quarantine.
 
 Rules (states: ``RX_TRANSITIONS``, ``RX_TIMER_TRANSITIONS``, ``_rx_guard``; why: docs/design.md s. 14):
   1. Only a published writer's evidence counts; invalid evidence disputes the session (it never retires),
-     quarantines admission and returns ``Disputed``; ``PeerProtocolError`` only for a no-op message.
+     quarantines admission and returns ``Disputed``; only a message that changes nothing raises.
   1a. A writer claims its head slice with its first SUCCESS or IN_DOUBT; a FAILED from one that claimed
      nothing is a decline, failing the session only when no candidate of the slice can still deliver.
   2. A writer is settled when its stream ended (``is_last``) or it acked, and no piece is in doubt.
