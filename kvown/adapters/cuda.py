@@ -3,11 +3,8 @@
 Owns: ``ReadyToken`` (the one question "has the work before this point finished?") and
 ``WriteTracker``, which hands out tokens for a device.
 
-What CUDA promises (CUDA Runtime API, Event Management): ``cudaEventRecord`` captures the work
-enqueued on a stream so far; ``cudaEventQuery`` returns ``cudaSuccess`` once all of it has completed
-and ``cudaErrorNotReady`` before, without blocking. torch exposes this as ``Event.record(stream)`` and
-``Event.query() -> bool``. Quirk kept here: an event that was never recorded also reports done, so a
-``CudaReadyToken`` only exists for an event that ``WriteTracker.record`` has recorded.
+Quirk kept here: a CUDA event that was never recorded also reports done, so a ``CudaReadyToken``
+exists only for an event ``WriteTracker.record`` recorded (what CUDA promises: docs/design.md s. 14).
 
 Rules:
   1. A sender posts a WRITE of KV bytes only after the token recorded after the producer's KV write

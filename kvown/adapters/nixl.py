@@ -1,57 +1,27 @@
 """NIXL data-plane adapter: one NIXL agent per rank, translated into kvown's vocabulary.
 
-Owns: the NIXL agent of this rank, its memory registrations, the peers whose metadata it loaded, the
-prepped descriptor lists it made, and every transfer handle it posted until that handle is released.
-Nothing outside this module touches a ``nixl`` object; library quirks (status strings, exceptions
-raised from any call, handle finalizers that release on garbage collection) stop here.
+Owns: the rank's NIXL agent, registrations, loaded peers, prepped lists and posted handles until released;
+no ``nixl`` object or quirk leaves this module (why each rule holds: docs/design.md section 14).
 
 Rules:
-  1. One thread. The agent is created with ``NIXL_THREAD_SYNC_NONE`` and, by default, without a
-     progress thread, so every call on one endpoint comes from one thread (the engine thread or a
-     dedicated NIXL poller, never both). Without a progress thread nothing moves unless this endpoint
-     is polled: ``poll`` drives our own writes, ``drain_notifs`` drives the target side, so a rank that
-     receives WRITEs must keep calling ``drain_notifs``.
-  2. A library result becomes exactly one kvown value: ``poll`` returns one ``XferStatus``; a failed
-     call raises ``AdapterError`` with ``op`` (the library call) and ``cause`` (its exception).
-  3. Posting distinguishes "nothing can touch memory" from "in doubt": a failure while building
-     descriptors or in ``initialize_xfer`` / ``make_prepped_xfer`` raises ``AdapterError(posted=False)``;
-     a failure inside ``transfer()`` raises ``AdapterError(posted=None, handle=...)`` and the handle
-     stays rooted, because the backend may already be writing.
-  4. DONE is the only proof of quiescence. NIXL's UCX backend flushes the endpoint before a handle
-     reports DONE, so DONE means remote completion (reliability.md 3.5). ERROR is *not* proof: bytes
-     may still land, so ``poll`` keeps asking the library after ERROR and a handle can move from ERROR
-     to DONE. DONE is terminal.
-  5. Releasing is not a fence: ``release_xfer_handle`` on a live transfer only *attempts* a cancel.
-     ``release`` is refused until the handle reached DONE or ERROR (whoever releases an ERROR handle
-     accepts that bytes may still land; kvown's runtime holds the blocks instead).
-  6. Descriptor count is the cost (about 2.2 us per descriptor to post on the CPU path), so
-     ``post_write`` coalesces pairs that are contiguous on both sides, and the prepped path lets NIXL
-     merge contiguous index runs (measured: 256 contiguous 4 KiB blocks post in ~46 us, scattered ~356 us).
-     Short index lists (<= 64) into lists of equal entries skip numpy entirely: Python checks, and
-     NIXL takes the lists as they are (numpy's per-call overhead dominated a 1-block post).
-
-  7. A WRITE's notification (``notif``) is sent by NIXL itself, only once every request of the
-     transfer - the data and the endpoint flush - completed successfully: inside ``transfer()``
-     when the transfer completes there (UCX ``cma`` copies inside the post), otherwise in the status
-     check that first finds it complete. A transfer that reported an error, or whose post raised,
-     never sends it (NIXL drops it on the error path). So its arrival proves the bytes landed and that
-     transfer touches the destination no more; the target may see it one status check before the
-     initiator sees DONE (the notification's own send may still be completing). Source: NIXL's UCX
-     backend, ``nixlUcxEngine::postXfer`` / ``checkXfer``; the contract tests check what can be
-     checked on a host (bytes in place when it arrives; none for a refused WRITE).
+  1. One thread per endpoint (``NIXL_THREAD_SYNC_NONE``, no progress thread by default): nothing moves
+     unless it is polled, so a rank that receives WRITEs must keep calling ``drain_notifs``.
+  2. A library result is one kvown value: ``poll`` one ``XferStatus``; a failed call ``AdapterError``
+     (``op``: the library call, ``cause``: its exception).
+  3. A failed post says ``AdapterError(posted=False)`` (nothing can touch memory) before ``transfer()``,
+     ``posted=None, handle=...`` (in doubt; the handle stays rooted) inside it.
+  4. DONE is the only proof of quiescence, and terminal; ERROR is not: ``poll`` keeps asking after it.
+  5. Releasing is not a fence: ``release`` is refused until the handle reached DONE or ERROR.
+  6. Descriptor count is the cost: ``post_write`` coalesces pairs contiguous on both sides, prepped
+     posts let NIXL merge index runs, and short index lists (<= 64) skip numpy.
+  7. NIXL sends a WRITE's notification (``notif``) only after its data and endpoint flush completed,
+     never after an error: its arrival proves the bytes landed and the WRITE touches them no more.
 
 Invariants:
-  INV-NX-1  Every posted, unreleased handle is referenced from ``_live`` (rooted), so the NIXL
-            finalizer (``nixl_xfer_handle.__del__`` releases, i.e. cancels) can never run on it.
+  INV-NX-1  Every posted, unreleased handle is rooted in ``_live``: NIXL's finalizer (a cancel) never runs.
   INV-NX-2  A handle leaves ``_live`` only through ``release`` after DONE or ERROR was observed.
   INV-NX-3  ``close`` deregisters memory only when ``_live`` is empty.
   INV-NX-4  A ``XferStatus.DONE`` handle never reports anything else afterwards.
-
-Imperfect, said plainly: coalescing knows our own registrations (it never merges across a local
-registration boundary) but not the peer's; two remote ranges that are adjacent yet lie in two separate
-peer registrations would be merged and then refused by NIXL (``posted=False``). Register each KV pool
-as one region. Loaded peer metadata is a snapshot: memory a peer registers later is unknown here until
-its metadata is loaded again with ``add_peer``.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@
 Owns: ``EtcdClient`` (put / get / list by prefix / delete / leases / watch on one etcd endpoint),
 ``LeasedKey`` (a value under a lease that a named thread keeps alive) and ``PrefixWatcher`` (a live,
 validated view of every value under a prefix, with put and delete callbacks, each value parsed by the
-caller's ``parse``). The reference server's records (``RankInfo``) are ``kvown.apps.serve.ranks``'s; kvown's own peer records
-(``kvown.adapters.transport.PeerInfo``) travel through the same leases and watchers
-(``kvown.rank.connect_registry``).
+caller's ``parse``). kvown's ``PeerInfo`` records travel through them (``kvown.rank.connect_registry``).
 
 Rules:
   1. Untrusted bytes. Everything etcd returns (its JSON, keys, base64 values, revisions) and every
      value another rank wrote is validated before use; a violation raises
      ``PeerProtocolError(field=...)`` naming the part, and changes no state. Sizes are capped before
      decoding.
-  2. A rank's key lives under a lease with a TTL. The keep-alive thread renews it every TTL/3; a
-     killed rank stops renewing and etcd deletes its key when the TTL runs out, so watchers see the
-     death within about one TTL without any request deadline. ``Registration.close`` revokes the
-     lease, so a clean exit is seen at once.
+  2. A rank's key lives under a lease with a TTL, renewed every TTL/3 by the keep-alive thread: a
+     killed rank's key is gone within about one TTL; ``Registration.close`` revokes it at once.
   3. A lease expiry proves only that the rank stopped renewing (dead, hung, or partitioned from etcd).
      It is never proof that a writer stopped writing: transports decide that (docs/embedding.md).
   4. Every wait is bounded: each HTTP call has a timeout; the watch stream is read with a read timeout

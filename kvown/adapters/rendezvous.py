@@ -5,13 +5,9 @@ clients. It carries NIXL agent metadata between MPI worlds that share no communi
 world the runtime uses ``comm.allgather(endpoint.metadata())`` instead). Slow path only: one
 connection per request.
 
-Wire format (every frame):
-    header  = magic b"KVRV" | version u8 | kind u8 | body_nbytes u32 (big endian)
-    body    = msgpack map
-    tag     = HMAC-SHA256(key, challenge || header || body), 32 bytes
-The server opens each connection with a HELLO frame carrying a fresh random 16-byte challenge (its
-tag uses an empty challenge). The REQUEST and the RESPONSE of that connection are bound to the
-challenge, so a recorded frame cannot be replayed on another connection.
+Wire: ``header(b"KVRV", version, kind, body_nbytes) | msgpack body | HMAC(key, challenge || header ||
+body)``; each connection opens with a HELLO carrying a fresh challenge that binds its REQUEST and
+RESPONSE, so a recorded frame cannot be replayed elsewhere (docs/design.md section 14).
 
 Rules:
   1. Untrusted bytes: frames are size-capped before anything is read into memory, the tag is checked

@@ -5,20 +5,16 @@ record (``PeerInfo``: agent, block space, aux address, roles); the prepped descr
 blocks, ours and one per peer; and the map from agent names to ranks.
 
 Rules:
-  1. One call per action. ``send`` carries one sealed control frame; ``write`` carries one
-     ``PostWrite`` and, optionally, the sealed frame NIXL delivers to the receiver as the WRITE's
-     notification once the data and flush completed (``notif``). Descriptors, byte ranges, addresses
-     and NIXL's tri-state "posted" flag stay here.
-  2. ``write`` answers with exactly one typed outcome: ``Posted`` (poll the handle until DONE),
-     ``NotPosted`` (nothing can touch memory) or ``InDoubt`` (the post raised part-way: the handle is
-     rooted, poll it; only DONE proves quiescence). It never raises for a bad destination: a peer's
-     block id out of range is ``NotPosted`` (our checks refused it before NIXL saw it).
+  1. One call per action: ``send`` one sealed control frame; ``write`` one ``PostWrite`` and, optionally,
+     the sealed frame NIXL delivers as the WRITE's notification once data and flush completed
+     (``notif``). Descriptors, byte ranges, addresses and NIXL's tri-state "posted" flag stay here.
+  2. ``write`` answers with exactly one typed outcome: ``Posted`` (poll until DONE), ``NotPosted``
+     (nothing can touch memory; also a peer's block id out of range: it never raises for that) or
+     ``InDoubt`` (the post raised part-way: the handle is rooted and polled; only DONE proves quiescence).
   3. ``send`` raising ``AdapterError`` means *delivery unknown*: NIXL may or may not have sent it.
-  4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; a frame from an agent that is not
-     a known peer comes back with rank ``None`` (the driver counts and drops it) - unless the
-     transport was built for a world whose members join over time (``defer_unknown``, the registry
-     connect): then up to ``MAX_DEFERRED`` such frames wait, and are handed over in arrival order once
-     ``connect`` adds their agent (a peer may publish to us before our watcher has loaded it).
+  4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; an unknown agent's frame comes back
+     with rank ``None`` (dropped by the driver), or with ``defer_unknown`` (worlds that join over
+     time) waits, up to ``MAX_DEFERRED``, until ``connect`` adds its agent.
   5. Called from one thread only (the engine thread), like the endpoint below it.
   6. ``poll`` answers in kvown's words (``WriteStatus``), never NIXL's: DONE is the only proof of
      quiescence; IN_DOUBT (NIXL's ERROR) may still turn into DONE, so the handle is polled on.

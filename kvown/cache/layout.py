@@ -2,33 +2,12 @@
 
 Owns: ``KVLayout`` (the shape of one rank's KV pool) and ``Plane`` (one kind of per-token data: K, V,
 an MLA latent, NVFP4 packed values or their scales). Standard K/V, MLA and NVFP4 differ only in their
-planes, which are data: there is no separate code path per format.
+planes, which are data: there is no separate code path per format. NVFP4 scales are planes of this
+pool (``scale_layout="inline"``) or a second pool of the same block count (``"separate"``,
+``scale_pool()``: a transfer of block b moves block b of both).
 
-NVFP4 scales live in one of two places, as real engines put them (``scale_layout``):
-  * ``"inline"`` (vLLM's way): scales are planes of the same pool, each right after the values it
-    scales: per (head, layer) ``k_values, k_scales, v_values, v_scales``. One pool, one range per block.
-  * ``"separate"`` (TensorRT-LLM's KEY / VALUE / KEY_BLOCK_SCALE / VALUE_BLOCK_SCALE pools): this
-    layout's blocks hold only ``k_values, v_values``; the scales live in a second pool,
-    ``scale_pool()``, with the same number of blocks: block b's scales are block b there. A transfer
-    of block b moves block b of both pools.
-
-Memory order (one choice, used everywhere):
-
-    pool  = block[0] block[1] ... block[num_blocks - 1]                   (blocks outermost)
-    block = head[0] ... head[num_kv_heads - 1]                            (heads next)
-    head  = layer[0] ... layer[num_layers - 1]
-    layer = plane[0] ... plane[-1]; plane = token[0] ... token[tokens_per_block - 1]
-    token = the plane's bytes for one (token, head): e.g. head_dim values of dtype
-
-Why this order:
-  * Each block is ONE contiguous byte range, so a run of consecutive block ids is one contiguous range
-    and a transfer needs one NIXL descriptor per run, not per layer or per block (``block_ranges``).
-  * Heads are outermost inside a block, so a head slice (fan-in: K writers each own a disjoint slice
-    of every block) is ONE contiguous range too (``head_slice_ranges``). A writer that holds only its
-    slice of heads has a block whose bytes are exactly that range (``slice_layout``).
-  * The cost: an attention kernel that wants all heads of one layer contiguous must stride over
-    heads. A real engine's kernels decide the order; kvown only needs ranges, so if it must match an
-    engine's order later, ``head_slice_ranges`` returns several ranges instead of one.
+Memory order: blocks outermost, then heads, then layers, then planes, then tokens; each block is one
+contiguous byte range and so is each head slice of it (why: docs/design.md section 14).
 
 Rules:
   1. Every field is validated in the constructor; a bad one raises ``ConfigError`` naming the field.

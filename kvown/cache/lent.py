@@ -4,14 +4,9 @@ Owns: the ownership state (FREE / OWNED / HELD) of every block of memory the emb
 allocated itself - vLLM-style per-layer paged tensors, TensorRT-LLM-style data and scale pools, or
 anything else that ``BlockSpace`` can describe - and the hand-back of lent blocks.
 
-The server's block allocator stays the only allocator. A server *lends* kvown the blocks of a request
-(``Receiver.receive(..., blocks=...)``); kvown holds them while writers may still write and hands
-them back exactly once, at retirement, through ``on_returned(request_id, blocks)``. A block kvown
-does not hold is FREE here, whatever the server does with it.
-
-    FREE --lend--> OWNED --hold--> HELD
-      ^               |              |
-      +---retire------+------retire--+    (retire calls on_returned)
+The server's allocator stays the only allocator: it lends a request's blocks
+(``Receiver.receive(..., blocks=...)``), and kvown hands them back once, at retirement, through
+``on_returned(request_id, blocks)``. FREE --lend--> OWNED --hold--> HELD; ``retire`` from either.
 
 Rules:
   1. Blocks go back to the server only through ``retire``, and ``retire`` always calls

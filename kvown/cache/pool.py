@@ -2,14 +2,9 @@
 
 Owns: the storage of one rank's KV blocks (CPU or CUDA) and the state of every block.
 
-    FREE --allocate--> OWNED --hold--> HELD
-      ^                  |               |
-      +-----retire-------+-------retire--+
-
-  FREE   in the free list; nobody may write it.
-  OWNED  given to one owner (a request) that is receiving into it.
-  HELD   the owner's transfer ended without proof that every writer is quiescent; the blocks wait
-         for that proof (then ``retire``) or for fail-stop. Nothing else may reuse them.
+FREE (free list; nobody writes it) --allocate--> OWNED (one request receives into it) --hold--> HELD
+(ended without proof that every writer is quiescent: waits for that proof, or for fail-stop); ``retire``
+from OWNED or HELD is the only way back to FREE.
 
 Rules:
   1. Blocks go back to FREE only through ``retire`` (the retirement path); there is no other way.
@@ -18,11 +13,8 @@ Rules:
   3. Cost is proportional to the blocks touched (plus a search over the distinct free-run lengths):
      no mutator scans the pool. ``check(deep=True)`` is the one full scan, for tests and diagnostics.
   4. Single writer: the pool belongs to one rank's engine thread. It has no lock.
-  5. Contiguous runs. FREE blocks are kept as maximal runs of consecutive ids. ``allocate(n)`` takes
-     the first ``n`` blocks of the smallest run that holds them all (best fit: one NIXL descriptor per
-     session, and the big runs stay big); only when no run is long enough does it take whole runs,
-     longest first (the fewest pieces). ``retire`` merges what comes back with its free neighbours.
-     A fresh pool is one run, so it hands out 0, 1, 2, ...
+  5. FREE blocks are kept as maximal runs of consecutive ids; ``allocate(n)`` is best fit (else whole
+     runs, longest first) and ``retire`` merges with free neighbours (docs/design.md section 14).
 
 Invariants (checked after every mutation; a failure raises ``InvariantViolation``):
   INV-POOL-1  total == free + owned + held.

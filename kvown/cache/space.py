@@ -3,12 +3,8 @@
 Owns: ``Region`` (one memory range that holds one equal chunk of every block) and ``BlockSpace`` (a
 rank's blocks as a tuple of regions that share one block index).
 
-A kvown ``KVPool`` is one region: block ``b`` is ``block_nbytes`` at ``base + b * block_nbytes``. A
-server that owns its KV cache has several: vLLM keeps per layer a tensor
-``[2, num_blocks, block_size, kv_heads, head_dim]`` (two regions per layer, K and V, each with a
-stride of one block); TensorRT-LLM keeps KEY, VALUE, KEY_BLOCK_SCALE and VALUE_BLOCK_SCALE pools
-indexed by the same block id (four regions). Either way a block is the list of its chunks, one per
-region, and a WRITE of blocks ``[b...]`` moves the same chunks on both sides.
+A block is the list of its chunks, one per region, and a WRITE of blocks ``[b...]`` moves the same
+chunks on both sides (kvown's pool is one region; vLLM's and TensorRT-LLM's: docs/design.md s. 14).
 
 Rules:
   1. Addresses and strides are per rank; the *shape* (chunk sizes, head grouping, order of regions)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from array import array
 
+from kvown.core.actions import Outcome
 from kvown.core.ids import split_request_id
 
 _MIN_SLOTS = 16
@@ -41,6 +42,13 @@ class CancelOrigin(enum.IntEnum):
     FAILURE = 4  # a transfer failed or went in doubt
     SHUTDOWN = 5
 
+
+# The fence origin of a session that concluded without completing (both cores install it then).
+ORIGIN_OF_OUTCOME = {
+    Outcome.CANCELLED: CancelOrigin.CLIENT,
+    Outcome.FAILED: CancelOrigin.FAILURE,
+    Outcome.TIMED_OUT: CancelOrigin.TIMEOUT,
+}
 
 class _SeqTable:
     """Open-addressing set of 32-bit seqs (stored as seq + 1; 0 marks an empty slot) with a byte each."""

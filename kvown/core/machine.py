@@ -238,6 +238,14 @@ class RankCore(Generic[S]):
         """Rule 5: not below the world watermark (fences compacted) nor below our own."""
         return self.fence.admissible(request_id) and split_request_id(request_id)[0] >= self._local_watermark
 
+    def watermark_refusal(self, epoch: int) -> str:
+        """Pure: why ``WatermarkSet(epoch)`` would raise, or '' (the driver asks first: driver rule 7a)."""
+        if epoch < self._local_watermark:
+            return "watermark cannot move backwards"
+        if any(split_request_id(rid)[0] < epoch for rid in self.sessions):
+            return "sessions below the new watermark are still live"
+        return ""
+
     def _on_local_watermark(self, epoch: int, actions: list[Action]) -> None:
         from kvown.core.actions import SendControl
 

@@ -4,16 +4,11 @@ Owns: every message kind, its fields and their legal ranges, the envelope (versi
 number) and the authentication tag.
 
 Rules:
-  1. A frame on the wire is ``body || tag``: ``body`` is a msgpack array (packed by the codec adapter,
-     ``kvown.adapters.codec``) and ``tag`` is HMAC-SHA256(job key, body), checked in constant time
-     before anything is decoded. Two body layouts, told apart by their first item (the format):
-       ``[1, kind, src_rank, dst_rank, seq, *fields]``              one message (``FRAME_SINGLE``)
-       ``[2, src_rank, dst_rank, seq, flags, [kind, *fields], ...]`` 1..MAX_BATCH messages (``FRAME_BATCH``)
-     A batch is one position (``seq``) on its stream; its messages apply in order. ``flags`` bit 0
-     (``FLAG_CARRIED``) marks a frame carried by a WRITE as its NIXL notification: it is outside the
-     ordered control stream (``seq`` is 0 and consumes no position), holds exactly one KV_RESULT or
-     AUX_RESULT with status SUCCESS and ``is_last``, and is only ever delivered by NIXL after the
-     WRITE's data and flush completed (``kvown.core.sender`` rule 6).
+  1. A frame on the wire is ``body || tag``: ``tag`` is HMAC-SHA256(job key, body), checked in constant
+     time before anything is decoded; ``body`` is a msgpack array, one message (``FRAME_SINGLE``) or a
+     batch of 1..MAX_BATCH (``FRAME_BATCH``: one stream position, applied in order). A frame with
+     ``FLAG_CARRIED`` rides on a WRITE as its notification: ``seq`` 0 (no position), exactly one final
+     SUCCESS report (``kvown.core.sender`` rule 6). Layouts: docs/design.md section 14.
   2. ``from_wire`` validates every field's type and range and raises ``PeerProtocolError`` naming the
      first bad field. It builds a new object and touches no state, so a rejected message changes
      nothing.

@@ -1,65 +1,27 @@
 """Receiver (generation side): the evidence ledger that decides when destination blocks may retire.
 
-Owns: for every live receive session, who was published, what each writer reported, the logical
-outcome, the local completions still pending, and the retirement clock; for the rank, the fence and
-the admission quarantine.
+Owns: per live session the published writers, their reports, the outcome, pending local completions
+and the retirement clock; per rank the fence and the admission quarantine.
 
-Theory of operation:
-  OpenReceive publishes the destination: REQUEST_DATA to every writer. From the moment the core
-  emits those actions each writer counts as *published*, because a send that fails may still have
-  delivered the frame (the driver resends it or fail-stops; it never reports "not sent"). Writers answer per piece
-  (KV_RESULT, AUX_RESULT) and, when asked with CANCEL_SESSION, with SESSION_QUIESCED after every
-  earlier result. The *logical* outcome (completed, cancelled, failed, timed out) is committed once.
-  The *physical* side retires the blocks only when every published writer is settled and nothing
-  local is pending. Until then the blocks are held; if the fail-stop deadline passes first, the
-  rank fail-stops instead.
-
-Rules:
-  1. Only a published writer's evidence counts. A result from outside the published set, from a second
-     writer touching an already-claimed head slice, a contradictory repeat, or any result after the
-     writer's stream ended (except FAILED_QUIESCED for an in-doubt piece) is *invalid evidence*: the
-     session is disputed (it can never retire: it drains to a fail-stop), admission is quarantined,
-     and ``handle`` returns a ``Disputed`` action. It does not raise: the dispute IS the response.
-     Only a message that changes nothing raises ``PeerProtocolError`` (unknown request, wrong stream).
-  1a. A writer *claims* its head slice with its first SUCCESS or IN_DOUBT (the only results that say
-     bytes may have moved). A FAILED result means nothing was posted for that piece: from a writer that
-     claimed nothing it is a *decline* (a broadcast candidate that was not selected, or was fenced), which
-     settles that writer with its ``is_last`` and fails the session only when no other candidate of
-     the slice can still deliver it.
-  2. A writer is settled when its stream ended (a result with ``is_last``) or it acknowledged with
-     SESSION_QUIESCED, and none of its pieces is in doubt. An ack never settles an in-doubt piece.
-  3. SESSION_QUIESCED counts only from a published writer of a session whose outcome is committed.
-     From a rank outside the published set it cannot be honest, but it claims nothing either: admission
-     is quarantined (counted as ``foreign_acks``, reported with a ``Disputed`` action) and the session
-     itself is left as it was. For an unknown request or an uncommitted session it is stale or
-     unsolicited: ignored and counted.
-  4. IN_DOUBT fails the session, holds the destination and quarantines admission. FAILED_QUIESCED
+Rules (states: ``RX_TRANSITIONS``, ``RX_TIMER_TRANSITIONS``, ``_rx_guard``; why: docs/design.md s. 14):
+  1. Only a published writer's evidence counts; invalid evidence disputes the session (it never retires),
+     quarantines admission and returns ``Disputed``; only a message that changes nothing raises.
+  1a. A writer claims its head slice with its first SUCCESS or IN_DOUBT; a FAILED from one that claimed
+     nothing is a decline, failing the session only when no candidate of the slice can still deliver.
+  2. A writer is settled when its stream ended (``is_last``) or it acked, and no piece is in doubt.
+  3. SESSION_QUIESCED counts only from a published writer of a committed session; an outsider's
+     quarantines admission (``foreign_acks``, ``Disputed``) and leaves the session; else it is stale.
+  4. IN_DOUBT fails the session, holds the destination and quarantines admission; FAILED_QUIESCED
      settles that piece only after that writer's IN_DOUBT for it.
-  4a. A carried report (``MessageReceived.carried``: the WRITE's own notification, sender rule 6)
-     is ordered against no control message. Arriving after that writer's SESSION_QUIESCED it is
-     stale, not a lie: NIXL sends it only once its WRITE completed, so it can announce no write in
-     flight, and the ack already proved the writer quiescent (a writer acks a cancel for a session it
-     finished at once, while the report may still be on its way). It is counted (``stale_carried``)
-     and changes nothing. On the ordered stream a result after the ack stays invalid evidence (rule 1).
-  5. CANCEL_SESSION is emitted only after the REQUEST_DATA it follows (same stream, later sequence
-     number), to every published writer not yet settled, once. The one exception carries no claim:
-     a cancel of a request with no session here that names writers (``CancelRequested.notify``)
-     tells each of them, so a writer holding source blocks for a publication that will never come
-     releases them at once; their acknowledgements arrive for no session and are counted stale.
-  6. Every open claim has a fail-stop deadline, and the deadline heap holds it after every input:
-     writer claims and disputes use the session's retirement clock (request deadline + grace, or
-     drain start + grace); each local completion has its own clock, started when it was queued
-     (start + grace), so a copy queued after delivery never inherits an old deadline.
-     ``check_fatal(now)`` and ``handle(Tick(), now)`` therefore agree at every instant.
+  4a. A carried report after its writer's SESSION_QUIESCED is stale (``stale_carried``), not disputed.
+  5. CANCEL_SESSION follows its REQUEST_DATA, once to each unsettled published writer; a cancel with
+     no session here tells the writers in ``CancelRequested.notify``.
+  6. Every open claim's fail-stop deadline is in the heap after every input (a local completion has
+     its own clock), so ``check_fatal(now)`` and ``handle(Tick(), now)`` agree at every instant.
 
-Invariants:
-  INV-R1: RetireBlocks(r) is emitted only when every published writer of r is settled, no local
-          completion is pending and r is not disputed.
-  INV-R2: the outcome of a session is committed at most once.
-  INV-R3: each (writer, piece kind, piece) result is counted at most once.
-  INV-R4: after FailStop nothing retires.
-
-Tools that read this table: ``kvown.apps.docs_gen`` (docs/state-machines.md) and tests/core/test_totality.py.
+Invariants: INV-R1 RetireBlocks(r) only when every published writer of r is settled, no local completion
+is pending and r is not disputed. INV-R2 the outcome is committed at most once. INV-R3 each (writer,
+piece kind, piece) result is counted at most once. INV-R4 after FailStop nothing retires.
 """
 
 from __future__ import annotations
@@ -80,7 +42,7 @@ from kvown.core.actions import (
     SendControl,
 )
 from kvown.core.deadline import RetirementClock
-from kvown.core.errors import LocalProtocolError, PeerProtocolError
+from kvown.core.errors import InvariantViolation, LocalProtocolError, PeerProtocolError
 from kvown.core.events import (
     CancelRequested,
     Event,
@@ -90,7 +52,7 @@ from kvown.core.events import (
     OpenReceive,
     ReleaseRequested,
 )
-from kvown.core.fence import CancelOrigin
+from kvown.core.fence import ORIGIN_OF_OUTCOME, CancelOrigin
 from kvown.core.ids import is_valid_request_id
 from kvown.core.machine import CoreConfig, RankCore
 from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
@@ -117,28 +79,58 @@ class RxInput(enum.Enum):
     RELEASE = "release"
 
 
-# (state, input) -> handler. Pairs absent here are illegal: local inputs raise LocalProtocolError,
-# peer inputs raise PeerProtocolError; either way the state is unchanged.
-RX_TRANSITIONS: dict[tuple[RxState, RxInput], str] = {
-    (RxState.ACTIVE, RxInput.CANCEL): "_on_cancel",
-    (RxState.ACTIVE, RxInput.RESULT): "_on_result",
-    (RxState.ACTIVE, RxInput.QUIESCED): "_on_quiesced",
-    (RxState.ACTIVE, RxInput.LOCAL_PENDING): "_on_local_pending",
-    (RxState.ACTIVE, RxInput.LOCAL_DONE): "_on_local_done",
-    (RxState.DELIVERED, RxInput.CANCEL): "_on_release",
-    (RxState.DELIVERED, RxInput.RESULT): "_on_result",
-    (RxState.DELIVERED, RxInput.QUIESCED): "_on_quiesced",
-    (RxState.DELIVERED, RxInput.LOCAL_PENDING): "_on_local_pending",
-    (RxState.DELIVERED, RxInput.LOCAL_DONE): "_on_local_done",
-    (RxState.DELIVERED, RxInput.RELEASE): "_on_release",
-    (RxState.DRAINING, RxInput.CANCEL): "_on_repeat_cancel",
-    (RxState.DRAINING, RxInput.RESULT): "_on_result",
-    (RxState.DRAINING, RxInput.QUIESCED): "_on_quiesced",
+class RxTimer(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    TIMEOUT = "timeout"  # the request deadline passed with no outcome
+    DEADLINE = "deadline"  # claims still open at the fail-stop deadline
+
+
+@dataclass(frozen=True, slots=True)
+class RxTransition:
+    """One table cell: the handler that computes the input's effects, and the states it may lead to.
+    With several, ``ReceiverCore._rx_guard`` picks one from the session's evidence."""
+
+    handler: str
+    to: frozenset[RxState]
+
+
+_A, _DL, _DR, _RE = RxState.ACTIVE, RxState.DELIVERED, RxState.DRAINING, RxState.RETIRED
+
+
+def _t(handler: str, *to: RxState) -> RxTransition:
+    return RxTransition(handler, frozenset(to))
+
+
+# (state, input) -> (handler, next states). Pairs absent here are illegal: local inputs raise
+# LocalProtocolError, peer inputs raise PeerProtocolError; either way the state is unchanged.
+RX_TRANSITIONS: dict[tuple[RxState, RxInput], RxTransition] = {
+    (_A, RxInput.CANCEL): _t("_on_cancel", _DR, _RE),
+    (_A, RxInput.RESULT): _t("_on_result", _A, _DL, _DR, _RE),
+    (_A, RxInput.QUIESCED): _t("_on_quiesced", _A),  # no outcome yet: unsolicited (rule 3)
+    (_A, RxInput.LOCAL_PENDING): _t("_on_local_pending", _A),
+    (_A, RxInput.LOCAL_DONE): _t("_on_local_done", _A),
+    (_DL, RxInput.CANCEL): _t("_on_release", _DR, _RE),
+    (_DL, RxInput.RESULT): _t("_on_result", _DL),  # the outcome is committed; not released yet
+    (_DL, RxInput.QUIESCED): _t("_on_quiesced", _DL),
+    (_DL, RxInput.LOCAL_PENDING): _t("_on_local_pending", _DL),
+    (_DL, RxInput.LOCAL_DONE): _t("_on_local_done", _DL),
+    (_DL, RxInput.RELEASE): _t("_on_release", _DR, _RE),
+    (_DR, RxInput.CANCEL): _t("_on_repeat_cancel", _DR),  # settles nothing: it would have retired
+    (_DR, RxInput.RESULT): _t("_on_result", _DR, _RE),
+    (_DR, RxInput.QUIESCED): _t("_on_quiesced", _DR, _RE),
     # A copy or read the consumer queued before it learned of the outcome (or a release's ready token)
     # still touches the blocks: it is a claim like any other, never refused.
-    (RxState.DRAINING, RxInput.LOCAL_PENDING): "_on_local_pending",
-    (RxState.DRAINING, RxInput.LOCAL_DONE): "_on_local_done",
-    (RxState.DRAINING, RxInput.RELEASE): "_on_repeat_release",
+    (_DR, RxInput.LOCAL_PENDING): _t("_on_local_pending", _DR),
+    (_DR, RxInput.LOCAL_DONE): _t("_on_local_done", _DR, _RE),
+    (_DR, RxInput.RELEASE): _t("_on_repeat_release", _DR),
+}
+# What time does to a session (``_evaluate``, ``_advance``): the same guard picks among the states.
+RX_TIMER_TRANSITIONS: dict[tuple[RxState, RxTimer], frozenset[RxState]] = {
+    (_A, RxTimer.TIMEOUT): frozenset({_DR, _RE}),
+    (_A, RxTimer.DEADLINE): frozenset({RxState.FATAL}),
+    (_DL, RxTimer.DEADLINE): frozenset({RxState.FATAL}),
+    (_DR, RxTimer.DEADLINE): frozenset({RxState.FATAL}),
 }
 PEER_INPUTS = frozenset({RxInput.RESULT, RxInput.QUIESCED})
 TOUCHING = frozenset({ResultStatus.SUCCESS, ResultStatus.IN_DOUBT})  # results that say bytes may have moved
@@ -261,15 +253,32 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if session is None:
             error = PeerProtocolError if peer else LocalProtocolError
             raise error("no live receive session for this request", field="request_id", request_id=request_id)
-        handler = RX_TRANSITIONS.get((session.state, kind))
-        if handler is None:
+        step = RX_TRANSITIONS.get((session.state, kind))
+        if step is None:
             error = PeerProtocolError if kind in PEER_INPUTS else LocalProtocolError
             raise error(
                 "illegal input for the session's state", field=kind.value, request_id=request_id,
                 state=session.state.value,
             )
-        getattr(self, handler)(session, *args, actions)
-        self._settle(session, args[-1], actions)
+        getattr(self, step.handler)(session, *args, actions)  # effects only: the table sets the state
+        self._enter(session, self._rx_guard(session, step.to), args[-1], actions)
+
+    @staticmethod
+    def _rx_guard(s: ReceiveSession, to: frozenset[RxState]) -> RxState:
+        """The one reader of evidence for the state: which of ``to`` the session moves to.
+
+        RETIRED when the outcome allows it and no claim is left (INV-R1); otherwise a cell with one
+        other state is the table's own decision, and among several the evidence decides: no outcome
+        is ACTIVE, a completed and unreleased one DELIVERED, anything else DRAINING."""
+        retirable = s.outcome is not None and (s.outcome is not Outcome.COMPLETED or s.released)
+        if RxState.RETIRED in to and retirable and not s.has_claims():
+            return RxState.RETIRED
+        stay = to - {RxState.RETIRED}
+        if len(stay) == 1:
+            return next(iter(stay))
+        if s.outcome is None:
+            return RxState.ACTIVE
+        return RxState.DELIVERED if s.outcome is Outcome.COMPLETED and not s.released else RxState.DRAINING
 
     # ---- admission and publication -----------------------------------------------------------
 
@@ -340,7 +349,6 @@ class ReceiverCore(RankCore[ReceiveSession]):
 
     def _on_release(self, s: ReceiveSession, event: Event, now_ns: int, actions: list[Action]) -> None:
         s.released = True
-        s.state = RxState.DRAINING
 
     def _on_repeat_release(self, s: ReceiveSession, event: Event, now_ns: int, actions: list[Action]) -> None:
         if s.outcome is not Outcome.COMPLETED:
@@ -449,11 +457,9 @@ class ReceiverCore(RankCore[ReceiveSession]):
         s.outcome, s.reason = outcome, reason
         if outcome is Outcome.COMPLETED:  # Deliver first: whoever learns the outcome may read at once
             actions.append(Deliver(s.request_id))
-            s.state = RxState.DELIVERED
         actions.append(Conclude(s.request_id, outcome, reason))
         if outcome is not Outcome.COMPLETED:
-            self.fence.install(s.request_id, _ORIGIN[outcome])
-            s.state = RxState.DRAINING
+            self.fence.install(s.request_id, ORIGIN_OF_OUTCOME[outcome])
         if s.writer_claims():
             s.clock.start_drain(now_ns, reason)
         self._send_cancels(s, actions)
@@ -472,16 +478,13 @@ class ReceiverCore(RankCore[ReceiveSession]):
         self._count("invalid_evidence")
         actions.append(Disputed(s.request_id, why))
 
-    def _settle(self, s: ReceiveSession, now_ns: int, actions: list[Action]) -> None:
-        """After any input: retire if the outcome allows it and no claim is left (INV-R1); else make
+    def _enter(self, s: ReceiveSession, state: RxState, now_ns: int, actions: list[Action]) -> None:
+        """After any input: move to ``state`` (the guard's choice); retire on RETIRED (INV-R1), else make
         sure every open claim's deadline is in the heap (rule 6)."""
-        if s.request_id not in self.sessions:
-            return
-        retirable = s.outcome is not None and (s.outcome is not Outcome.COMPLETED or s.released)
-        if not retirable or s.has_claims():
+        s.state = state
+        if state is not RxState.RETIRED:
             self._schedule(s.request_id, s)
             return
-        s.state = RxState.RETIRED
         del self.sessions[s.request_id]
         actions.append(RetireBlocks(s.request_id))
 
@@ -491,7 +494,7 @@ class ReceiverCore(RankCore[ReceiveSession]):
         if s.outcome is None and s.clock.timed_out(now_ns):
             self.fence.install(request_id, CancelOrigin.TIMEOUT)
             self._commit(s, Outcome.TIMED_OUT, "transfer timeout", now_ns, actions)
-            self._settle(s, now_ns, actions)
+            self._enter(s, self._rx_guard(s, self._timer(s, RxTimer.TIMEOUT)), now_ns, actions)
 
     def _session_deadlines(self, s: ReceiveSession) -> tuple[int | None, int | None]:
         request = s.clock.request_deadline_ns if s.outcome is None else None
@@ -511,7 +514,15 @@ class ReceiverCore(RankCore[ReceiveSession]):
         )
 
     def _mark_fatal(self, s: ReceiveSession) -> None:
-        s.state = RxState.FATAL
+        s.state = self._rx_guard(s, self._timer(s, RxTimer.DEADLINE))
+
+    @staticmethod
+    def _timer(s: ReceiveSession, timer: RxTimer) -> frozenset[RxState]:
+        to = RX_TIMER_TRANSITIONS.get((s.state, timer))
+        if to is None:  # time is our own input: a missing cell is our bug
+            raise InvariantViolation("illegal timer for the session's state", request_id=s.request_id,
+                                     state=s.state.value, timer=timer.value)
+        return to
 
     def open_sessions(self) -> list[dict[str, object]]:
         """Pure: every live session as plain values, for post-mortems (the flight recorder's dump). Reads
@@ -531,9 +542,3 @@ class ReceiverCore(RankCore[ReceiveSession]):
     def _state_name(self, s: ReceiveSession) -> str:
         return s.state.value
 
-
-_ORIGIN = {
-    Outcome.CANCELLED: CancelOrigin.CLIENT,
-    Outcome.FAILED: CancelOrigin.FAILURE,
-    Outcome.TIMED_OUT: CancelOrigin.TIMEOUT,
-}

@@ -1,57 +1,27 @@
 """Sender (context side): physical write operations, ordered result streams, quiescence acks.
 
-Owns: for every live send session, one stream per receiver that published to us, and per stream one
-operation per piece; for the rank, the fence, the publications waiting for a session, and the poison
-latch.
+Owns: per live session a stream per receiver that published to us, an operation per piece of each;
+per rank the fence, the publications waiting for a session, and the poison latch.
 
-Theory of operation:
-  A receiver's REQUEST_DATA attaches a stream to the session (or waits for the session to open).
-  Each piece of each stream becomes one operation. An operation is posted (``PostWrite``) only once
-  its source piece is ready (the producer's write-ready event completed) - never earlier. Results go
-  back on the stream strictly in piece order; the result that ends the stream carries ``is_last``.
-  CANCEL_SESSION fences the request id for good, refuses every operation not yet posted, waits for
-  the posted ones, and then - after every earlier result on that stream - sends SESSION_QUIESCED.
-
-Rules:
-  1. Operation states follow ``OP_TRANSITIONS``; anything else raises ``LocalProtocolError`` and
-     changes nothing.
-  2. Any backend outcome but DONE (an error status, an exception while posting or polling) makes the
-     operation IN_DOUBT: its handle stays rooted (the driver keeps it), the rank is *poisoned* (no
-     further operation is ever posted) and only a later DONE on the same handle settles it, reported
-     as FAILED_QUIESCED after the IN_DOUBT report.
-  3. SESSION_QUIESCED for a receiver is emitted only when none of that stream's operations is
-     ADMITTED, SUBMITTING, SUBMITTED or IN_DOUBT, and after every earlier result on the stream.
-  4. A cancel for a request with no session installs the fence and acknowledges at once; a later
-     session for a fenced id is born cancelled and posts nothing. A publication that can never be
-     served - its id is fenced here (before or after it arrived), or its block count differs from the
-     session's - is answered at once with a final FAILED result (nothing was posted), never dropped
-     silently: the receiver must not wait out its timeout for a writer that already knows.
+Rules (states: ``SX_TRANSITIONS`` over the derived ``SendSession.state``; why: docs/design.md s. 14):
+  1. Operation states follow ``OP_TRANSITIONS``; any other input raises ``LocalProtocolError``, no change.
+  2. Any backend outcome but DONE makes the op IN_DOUBT: its handle stays rooted, the rank is *poisoned*
+     (nothing is posted again) and only a later DONE on that handle settles it (FAILED_QUIESCED).
+  3. SESSION_QUIESCED follows every earlier result of its stream, once no op of it is LIVE.
+  4. A cancel of a request with no session fences it and acknowledges at once; a later session for a
+     fenced id is born cancelled. A publication that can never be served is answered with a final FAILED
+     (nothing posted): at arrival when its id is fenced or it does not fit the live session; if it was
+     saved for a session not yet open, when that session opens (unfit, or born cancelled) or on a local
+     cancel. A peer's CANCEL_SESSION answers only that peer's saved publication (SESSION_QUIESCED).
+  4a. A ``dst_suffix`` session also serves fewer blocks (prefix-cache hit): the last ``len(dst)`` of its source.
   5. Source blocks are released (``ReleaseSource``) only when no operation can still read them.
-  4a. A session opened with ``dst_suffix`` (one piece) also serves a publication of FEWER blocks
-     than its source: that receiver holds the prefix already (a prefix-cache hit), and the WRITE
-     covers the last ``len(dst_blocks)`` source blocks, so block i of the destination always gets
-     the KV of the same token block as source block ``len(src) - len(dst) + i``. Never more blocks
-     than the source: that publication is answered FAILED (rule 4).
-  6. Carried results (``carry_results``). When a stream has exactly one operation, its PostWrite
-     carries that stream's whole report - ``KV_RESULT``/``AUX_RESULT`` SUCCESS with ``is_last`` - and
-     the driver hands it to NIXL as the WRITE's notification. NIXL sends a WRITE's notification only
-     after every byte and the endpoint flush completed, and never for a transfer that reported an
-     error or whose post raised (``kvown.adapters.nixl`` rule 7), so its arrival is both the data's
-     landing and the writer's quiescence for that stream. Hence, for that operation:
-       - DONE: nothing is sent on the control stream (the notification is the report), and a
-         cancel on the stream needs no SESSION_QUIESCED (the carried ``is_last`` result settles the
-         writer; an ack could overtake it and make it look like a result after the end);
-       - any other outcome (refused, in doubt, in doubt then DONE): the notification was never sent,
-         so the report goes on the control stream exactly as for an uncarried operation.
-     Only a single-operation stream carries: its report is the first and last of the stream, so it
-     can neither overtake an earlier report nor be overtaken by a later one (NIXL does not order a
-     WRITE's notification against other notifications).
+  6. A single-operation stream's PostWrite carries its whole report (SUCCESS, ``is_last``) as the WRITE's
+     notification (``carry_results``): after DONE nothing more goes on that stream; any other outcome
+     sends the report on the control stream.
 
-Invariants:
-  INV-S1: PostWrite(op) only after SourceReady for its piece and never after a fence, poison or fatal.
-  INV-S2: results on a stream are emitted in piece order; SESSION_QUIESCED, or a carried final
-          result, is the last message of its (request, receiver) stream.
-  INV-S3: an IN_DOUBT operation leaves IN_DOUBT only through WriteCompleted of the same op.
+Invariants: INV-S1 PostWrite(op) only after SourceReady for its piece, never after a fence, poison or
+fatal. INV-S2 results in piece order; SESSION_QUIESCED, or a carried final result, ends its stream.
+INV-S3 an IN_DOUBT op leaves IN_DOUBT only through WriteCompleted of the same op.
 """
 
 from __future__ import annotations
@@ -85,7 +55,7 @@ from kvown.core.events import (
     WriteSubmitFailed,
     WriteSubmitted,
 )
-from kvown.core.fence import CancelOrigin
+from kvown.core.fence import ORIGIN_OF_OUTCOME, CancelOrigin
 from kvown.core.ids import is_valid_request_id
 from kvown.core.machine import CoreConfig, RankCore
 from kvown.core.messages import AuxResult, CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
@@ -126,6 +96,58 @@ OP_TRANSITIONS: dict[tuple[OpState, OpInput], OpState] = {
     (OpState.IN_DOUBT, OpInput.FAILED): OpState.IN_DOUBT,  # repeated failure keeps the evidence
     (OpState.BACKEND_DONE, OpInput.DONE): OpState.BACKEND_DONE,  # idempotent
 }
+class SxState(enum.Enum):
+    """A send session's state: derived from its fields (``SendSession.state``), never stored."""
+
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    OPEN = "open"  # no outcome; no receiver's publication attached yet
+    PUBLISHED = "published"  # no outcome; some receiver's stream attached (its writes may be posted)
+    DRAINING = "draining"  # outcome committed; operations in flight or acknowledgements owed
+    RELEASED = "released"  # ReleaseSource emitted: nothing reads the source; the session is gone (terminal)
+    FATAL = "fatal"  # operations unproven at the fail-stop deadline (terminal, sticky)
+
+
+class SxInput(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
+    PUBLISH = "publish"  # a receiver's REQUEST_DATA attached a stream
+    SOURCE_READY = "source_ready"  # a piece's write-ready event completed
+    WRITE = "write"  # the driver's answer for one of its operations (the op table's inputs)
+    CANCEL = "cancel"  # the embedding server's cancel
+    PEER_CANCEL = "peer_cancel"  # a receiver's CANCEL_SESSION
+    POISON = "poison"  # another session's operation went in doubt (rule 2)
+    TIMEOUT = "timeout"  # the request deadline passed with no outcome
+    DEADLINE = "deadline"  # operations still unproven at the fail-stop deadline
+
+
+_OP, _PU, _DR, _RE = SxState.OPEN, SxState.PUBLISHED, SxState.DRAINING, SxState.RELEASED
+_MOVES, _ENDS = frozenset({_PU, _DR, _RE}), frozenset({_DR, _RE})
+# (state, input) -> the states the session may be in afterwards; ``SenderCore._sx_guard`` checks each
+# step against it. Pairs absent here are illegal (for the time inputs: unreachable, our bug).
+SX_TRANSITIONS: dict[tuple[SxState, SxInput], frozenset[SxState]] = {
+    # posts at once when its source is ready; one that does not fit is declined (rule 4): still OPEN
+    (_OP, SxInput.PUBLISH): frozenset({_OP, _PU, _DR, _RE}),
+    (_OP, SxInput.SOURCE_READY): frozenset({_OP}),
+    (_OP, SxInput.CANCEL): frozenset({_RE}),  # nothing was posted: released at once (rule 4)
+    (_OP, SxInput.PEER_CANCEL): frozenset({_RE}),
+    (_PU, SxInput.PUBLISH): _MOVES,
+    (_PU, SxInput.SOURCE_READY): _MOVES,
+    (_PU, SxInput.WRITE): _MOVES,
+    (_PU, SxInput.CANCEL): _ENDS,
+    (_PU, SxInput.PEER_CANCEL): _ENDS,
+    (_PU, SxInput.POISON): _ENDS,
+    (_PU, SxInput.TIMEOUT): _ENDS,  # (the request deadline comes before any fail-stop deadline)
+    (_DR, SxInput.PUBLISH): _ENDS,  # answered FAILED at once: nothing is posted after the outcome
+    (_DR, SxInput.SOURCE_READY): _ENDS,
+    (_DR, SxInput.WRITE): _ENDS,
+    (_DR, SxInput.CANCEL): _ENDS,
+    (_DR, SxInput.PEER_CANCEL): _ENDS,  # (poison reaches only sessions with ADMITTED ops: never DRAINING)
+    (_DR, SxInput.DEADLINE): frozenset({SxState.FATAL}),
+}
+SX_PEER_INPUTS = frozenset({SxInput.PUBLISH, SxInput.PEER_CANCEL})
+_FATAL_REASON = "fatal"  # what ``_mark_fatal`` writes into ``reason``: the one field that says FATAL
+
 LIVE = frozenset({OpState.ADMITTED, OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})
 IN_FLIGHT = frozenset({OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})  # may touch memory
 REPORTABLE = frozenset({OpState.BACKEND_DONE, OpState.NOT_SUBMITTED, OpState.IN_DOUBT})
@@ -189,6 +211,15 @@ class SendSession:
     reason: str = ""
     dst_suffix: bool = False  # rule 4a
 
+    @property
+    def state(self) -> SxState:
+        """Derived from the fields (a live session is never RELEASED: that one is gone)."""
+        if self.reason == _FATAL_REASON:
+            return SxState.FATAL
+        if self.outcome is not None:
+            return SxState.DRAINING
+        return SxState.PUBLISHED if self.streams else SxState.OPEN
+
     def piece_blocks(self, piece: int) -> slice:
         n = len(self.src_blocks)
         return slice(piece * n // self.num_pieces, (piece + 1) * n // self.num_pieces)
@@ -223,6 +254,42 @@ class SenderCore(RankCore[SendSession]):
     # ---- dispatch -----------------------------------------------------------------------------
 
     def _dispatch(self, event: Event, now_ns: int, actions: list[Action]) -> None:
+        s, kind = self._session_input(event)
+        if s is None or kind is None:
+            self._dispatch_input(event, now_ns, actions)
+            return
+        before = s.state
+        if (before, kind) not in SX_TRANSITIONS:
+            error = PeerProtocolError if kind in SX_PEER_INPUTS else LocalProtocolError
+            raise error("illegal input for the send session's state", field=kind.value,
+                        request_id=s.request_id, state=before.value)
+        self._dispatch_input(event, now_ns, actions)
+        self._sx_guard(s, before, kind)
+
+    def _session_input(self, event: Event) -> tuple[SendSession | None, SxInput | None]:
+        """The live session an input is for, and its kind for SX_TRANSITIONS (None, None: no session)."""
+        t = type(event)
+        if t is MessageReceived:
+            message = event.envelope.message  # type: ignore[attr-defined]
+            kind = _MESSAGE_INPUT.get(type(message))
+            return (self.sessions.get(message.request_id), kind) if kind is not None else (None, None)
+        if t is SourceReady or t is CancelRequested:
+            kind = SxInput.SOURCE_READY if t is SourceReady else SxInput.CANCEL
+            return self.sessions.get(event.request_id), kind  # type: ignore[attr-defined]
+        if t in _WRITE_INPUT:
+            entry = self._ops.get(event.op_id)  # type: ignore[attr-defined]
+            return (entry[0], SxInput.WRITE) if entry is not None else (None, None)
+        return None, None
+
+    def _sx_guard(self, s: SendSession, before: SxState, kind: SxInput) -> None:
+        """The session's step from ``before`` must be a cell of SX_TRANSITIONS: its state is derived
+        from its fields, so a handler that moved it elsewhere is our bug."""
+        after = s.state if self.sessions.get(s.request_id) is s else SxState.RELEASED
+        if after not in SX_TRANSITIONS.get((before, kind), ()):
+            raise InvariantViolation("send session step outside SX_TRANSITIONS", request_id=s.request_id,
+                                     state=before.value, input=kind.value, to=after.value)
+
+    def _dispatch_input(self, event: Event, now_ns: int, actions: list[Action]) -> None:
         if isinstance(event, MessageReceived):
             message, src = event.envelope.message, event.envelope.src_rank
             if isinstance(message, RequestData):
@@ -402,8 +469,10 @@ class SenderCore(RankCore[SendSession]):
             self._conclude(s, Outcome.FAILED, "write in doubt", now_ns, actions)
             for other in list(self.sessions.values()):  # rule 2: poison refuses everything not yet posted
                 if other is not s and any(op.state is OpState.ADMITTED for st in other.streams.values() for op in st.ops):
+                    before = other.state
                     self._conclude(other, Outcome.FAILED, "sender poisoned", now_ns, actions)
                     self._after_progress(other, now_ns, actions)
+                    self._sx_guard(other, before, SxInput.POISON)
         elif op.state is OpState.NOT_SUBMITTED:
             self._conclude(s, Outcome.FAILED, f"write not submitted: {event.reason}", now_ns, actions)  # type: ignore[attr-defined]
         self._flush(s, stream, actions)
@@ -490,7 +559,7 @@ class SenderCore(RankCore[SendSession]):
         s.outcome, s.reason = outcome, reason
         actions.append(Conclude(s.request_id, outcome, reason))
         if outcome is not Outcome.COMPLETED:
-            self.fence.install(s.request_id, _ORIGIN[outcome])
+            self.fence.install(s.request_id, ORIGIN_OF_OUTCOME[outcome])
             s.clock.start_drain(now_ns, reason)
             for stream in s.streams.values():
                 self._refuse_admitted(s, stream, actions)
@@ -519,9 +588,11 @@ class SenderCore(RankCore[SendSession]):
 
     def _evaluate(self, request_id: int, s: SendSession, now_ns: int, actions: list[Action]) -> None:
         if s.outcome is None and s.clock.timed_out(now_ns):
+            before = s.state
             self.fence.install(request_id, CancelOrigin.TIMEOUT)
             self._conclude(s, Outcome.TIMED_OUT, "transfer timeout", now_ns, actions)
             self._after_progress(s, now_ns, actions)
+            self._sx_guard(s, before, SxInput.TIMEOUT)
 
     def _session_deadlines(self, s: SendSession) -> tuple[int | None, int | None]:
         return (s.clock.request_deadline_ns if s.outcome is None else None), self._fatal_deadline_ns(s)
@@ -534,10 +605,12 @@ class SenderCore(RankCore[SendSession]):
         return FailStop(FatalReason.DEADLINE, request_id, f"send operations unproven at the deadline: {ops}")
 
     def _mark_fatal(self, s: SendSession) -> None:
-        s.reason = "fatal"
+        before = s.state
+        s.reason = _FATAL_REASON
+        self._sx_guard(s, before, SxInput.DEADLINE)
 
     def _state_name(self, s: SendSession) -> str:
-        return "open" if s.outcome is None else "draining"
+        return s.state.value
 
     def open_sessions(self) -> list[dict[str, object]]:
         """Pure: every live session as plain values, for post-mortems (see ``ReceiverCore.open_sessions``)."""
@@ -584,6 +657,7 @@ def _result(writer: int, rid: int, op: Operation, last: bool, status: ResultStat
     return cls(writer, rid, 0 if op.kind is PieceKind.AUX else op.piece, last, status, nbytes)
 
 
+_MESSAGE_INPUT = {RequestData: SxInput.PUBLISH, CancelSession: SxInput.PEER_CANCEL}
 _WRITE_INPUT = {
     WriteSubmitted: OpInput.SUBMITTED,
     WriteNotSubmitted: OpInput.NOT_SUBMITTED,
@@ -591,4 +665,3 @@ _WRITE_INPUT = {
     WriteCompleted: OpInput.DONE,
     WriteFailed: OpInput.FAILED,
 }
-_ORIGIN = {Outcome.CANCELLED: CancelOrigin.CLIENT, Outcome.FAILED: CancelOrigin.FAILURE, Outcome.TIMED_OUT: CancelOrigin.TIMEOUT}

@@ -14,7 +14,7 @@ Rules:
   4. A frame addressed to another rank is a ``PeerProtocolError`` (field ``dst_rank``).
 
 Invariants:
-  INV-S1: ``deliver`` yields each (src, seq) at most once, in increasing seq order per src, with no gaps.
+  INV-ST1: ``deliver`` yields each (src, seq) at most once, in increasing seq order per src, with no gaps.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ Rules:
 Invariants:
   INV-CMD1  ``Ticket.take`` and ``Ticket.withdraw`` together return True at most once.
   INV-CMD2  A ``LazyEvent`` waiter returns True if and only if ``set`` was called before or during
-            its wait (the flag is written before the setter looks for a waiter's event, and the waiter
-            publishes its event before it looks at the flag again).
+            its wait (why it holds: docs/design.md section 14).
 """
 
 from __future__ import annotations

@@ -3,10 +3,6 @@
 Owns: the completion sentinel, the kill timer armed on a crash, the grace (``KVOWN_RANK_CRASH_GRACE_S``)
 and the handover from that timer to an inline kill after cleanup.
 
-Why: when one rank's loop raises, its peers sit in a collective waiting for it, forever. A grace lets
-the crashed rank's cleaner paths win first (its error reaches a client, its main thread returns); if
-that does not happen in time, the whole world is killed.
-
 Rules (``CrashGuard.run``):
   1. The completion sentinel is reset at the start of every run and set only by the loop, by calling
      ``guard.mark_completed()`` right before its single loop-terminating ``break``. A raise before that

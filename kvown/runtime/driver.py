@@ -1,68 +1,27 @@
 """The driver: all the work between one rank's protocol cores and its adapters, with no thread of its own.
 
-Owns: the rank's SenderCore and/or ReceiverCore; the ordered control streams and the frames whose
-send failed; the write handles in flight; the write-ready tokens and local copies not yet reported;
-the API handles waiting for outcomes; the aux slots; the canaries; the counters.
-
-Two homes, one code: the engine thread calls ``step(now_ns)`` in production
-(``kvown.runtime.engine``); the simulator calls the very same ``step`` over the fake NIXL library, a
-fault-injecting transport and the real ``KVPool`` (``kvown.testing.sim``).
+Owns: the rank's cores, control streams and resends, WRITEs in flight, unreported tokens and local copies,
+API handles, aux slots, canaries, counters. Engine and simulator run the same ``step`` (docs/design.md s. 14).
 
 Rules:
-  1. ``step(now_ns)`` takes everything that arrived - every queued command, every frame, the status
-     of every WRITE in flight (and only those), every ready token not yet reported, due deadlines -
-     turns each into one core event, and executes each batch of actions in order before the next
-     event. It never blocks, sleeps or starts a thread; the protocol runs on ``now_ns``. The one
-     clock it reads is the injected ``clock`` (the engine's; the simulator's in simulation), and only
-     to stamp an API handle's ``*_ns`` at the event itself (commands module rule 4).
-  2. Each action is one call into one adapter (``transport.write``, ``pool.retire``) or one handle
-     update, with one exception that saves a frame per message: ``SendControl`` only queues its
-     message for its peer, and at the end of the step every peer's queue leaves as one frame (a batch;
-     messages in action order, split only below the frame cap) - one stream position, one
-     ``transport.send``, one HMAC.
-  3. Ordered streams never keep a hole. A frame is stamped once; a send that raised may or may not
-     have been delivered, so the same sealed frame is resent on every step (later frames to that peer
-     queue behind it) until one send goes through - the receiver drops a duplicate by its sequence
-     number. If none goes through within ``control_retry_s`` the rank fail-stops at once
-     (CONTROL_LOST), naming the peer. A REQUEST_DATA is therefore always "published".
-  3a. A ``PostWrite`` with a ``result`` (``kvown.core.sender`` rule 6) posts its WRITE with that result
-     sealed as a carried frame, the WRITE's own NIXL notification. Carried frames are outside the
-     ordered streams (a WRITE that never completes holds back nobody's control frames); a receiver
-     hands each to its core once (a copy of a report the core already counted is dropped and counted,
-     never disputed).
-  4. A write handle that reported ERROR, or whose post raised, is in doubt: it is never released and
-     is polled until DONE (late settlement) or the world dies.
-  5. Bad peer input (unknown agent, forged, malformed, replayed or misaddressed frames, impossible
-     messages) is dropped and counted; it changes no core state.
-  6. A FailStop - from a core, from the resend budget, from a broken canary, or an
-     ``InvariantViolation`` raised during a step - latches ``fatal``, is handed to ``on_fail_stop``
-     once, and from then on ``step`` does nothing: every block, handle and root stays held.
-  7. Other threads only call ``submit`` and the pure readers ``check_fatal``, ``next_deadline_ns``,
-     ``statistics`` and ``view`` (an immutable ``RankView``, swapped whole when a peer is loaded). The
-     cores are read and written only under ``lock``, which ``step`` holds just while a core handles
-     one event (never during I/O).
-  7a. Late closes are settled here, not in the core: a release, cancel or local copy for a receive
-     that already retired (a cancel won the race with the landing, say) is a counted no-op; a release
-     or cancel with a ready token registers the token as a local completion first, so nothing retires
-     (no canary fill, no republication) before the consumer's reads are done.
-  8. The hot path formats nothing and scans nothing that does not move: the flight recorder gets
-     integer event codes and plain values (``FlightRecorder.note``); a ready token that is ready when
-     its send opens is reported at once and never polled, and the others are queried round robin, at
-     most ``TOKEN_POLL_BUDGET`` sends per step (with P sends waiting for their producer, a ready token
-     is seen within ceil(P / 256) steps), so a step's cost does not grow with the live sessions; a
-     WRITE handle is polled only while it is in flight.
-  9. ``probe`` (default None: one attribute test, nothing else) is the one test hook in this file:
-     ``probe("retire", request_id)`` is called in the middle of a retirement - the pool already holds
-     the blocks as free, their canaries are not stamped and the API has not been told - the one
-     protocol point no transport call shows. ``kvown.runtime.stack`` sets it only for a wrapper
-     (to ``FaultyTransport.probe``, whose ``crash-retire`` kills the rank there).
+  1. ``step(now_ns)`` turns all that arrived into core events, running each batch of actions before the next;
+     it never blocks or sleeps, and reads the injected ``clock`` only to stamp handles (commands rule 4).
+  2. Each action is one adapter call or handle update; ``SendControl`` queues: one batch frame per peer.
+  3. No stream keeps a hole: a frame whose send raised is resent as is (CONTROL_LOST: ``control_retry_s``).
+  3a. A ``PostWrite`` with a ``result`` posts it as a carried frame: the WRITE's notification, unordered.
+  4. A WRITE whose poll answered IN_DOUBT, or whose post raised, is never released: polled until DONE.
+  5. Bad peer input is dropped and counted; it changes no core state.
+  6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
+  6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug: the INVARIANT fail-stop of rule 6.
+  7. Other threads call only ``submit`` and the pure readers (``check_fatal``, ``next_deadline_ns``,
+     ``statistics``, ``view``); cores are touched under ``lock`` only, held while one core handles one event.
+  7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a refused send's
+     ready tokens, a watermark under a live session); a close's ready token waits first.
+  8. The hot path formats nothing and scans nothing that does not move.
+  9. ``probe("retire", request_id)`` (default None) is the one test hook, called mid-retirement.
 
-Invariants:
-  INV-DR1  A PostWrite is executed only as the core emits it (so never before its ready token).
-  INV-DR2  Blocks return to the pool only on RetireBlocks, or on AdmissionRefused of a session that
-           never published anything.
-  INV-DR3  Every stamped control frame is delivered to the transport at least once, or the rank
-           fail-stops.
+Invariants: INV-DR1 a PostWrite is executed only as the core emits it. INV-DR2 blocks return to the pool
+only on RetireBlocks, or AdmissionRefused of an unpublished session. INV-DR3 every stamped frame is sent.
 """
 
 from __future__ import annotations
@@ -238,7 +197,9 @@ class Driver:
         return None
 
     def next_deadline_ns(self) -> int | None:
-        """Pure: the earliest deadline of either core (for the engine's nap and the watchdog)."""
+        """Pure: the earliest deadline of either core. Called: by the retirement watchdog (under ``lock``) to
+        time its next check, and by the simulator to choose its next instant; the engine never naps on it
+        (it ticks due cores inside ``step`` and naps ``config.idle_sleep_s``)."""
         deadlines = [d for d in (c.next_deadline_ns() for c in self._cores()) if d is not None]
         return min(deadlines, default=None)
 
@@ -386,13 +347,21 @@ class Driver:
                     self.stats["rejected_peer_input"] += 1
                     self.recorder.record("peer_protocol_error", getattr(event, "request_id", None), error=str(exc))
                     continue
-                except LocalProtocolError as exc:  # a race between API calls (cancel vs release, ...)
-                    self.stats["local_protocol_errors"] += 1
-                    self.recorder.record("local_protocol_error", getattr(event, "request_id", None), error=str(exc))
+                except LocalProtocolError as exc:
+                    self._core_bug(event, exc)  # raises (rule 6a); the old swallow continued here
                     continue
             self._execute(core, actions)
             if self._unpublished and core is self.sender:
                 self._note_publication(event)
+
+    def _core_bug(self, event: Event, exc: LocalProtocolError) -> None:
+        """Rule 6a: a core refused a local input inside the engine - our bug, never a race between API
+        calls (rule 7a settles those before the core) - so it is an INVARIANT fail-stop (rule 6)."""
+        rid = getattr(event, "request_id", None)
+        self.stats["local_protocol_errors"] += 1
+        self.recorder.record("local_protocol_error", rid, error=str(exc))
+        raise InvariantViolation("a core refused a local input inside the engine (our bug)",
+                                 request_id=rid, event=type(event).__name__, error=str(exc)) from exc
 
     def _note_publication(self, event: Event) -> None:
         """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an
@@ -463,6 +432,11 @@ class Driver:
                 else:  # rule 7a: the session retired before the copy was declared
                     self._late("late_local_copy", rid)
             case SetWatermark(epoch=epoch):
+                refusal = next((why for why in (c.watermark_refusal(epoch) for c in self._cores()) if why), "")
+                if refusal:  # rule 7a: a watermark the cores would refuse is a counted no-op
+                    self.stats["watermark_refused"] += 1
+                    self.recorder.record("watermark_refused", None, epoch=epoch, reason=refusal)
+                    return
                 for core in self._cores():
                     self._events.append((core, WatermarkSet(epoch)))
             case Call(fn=fn, future=future):
@@ -639,7 +613,7 @@ class Driver:
                 self._unreleased.append(handle)
             self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
             return True
-        if op_id not in self._in_doubt:  # ERROR: in doubt; keep polling the same handle (rule 4)
+        if op_id not in self._in_doubt:  # IN_DOUBT (NIXL's ERROR): keep polling the same handle (rule 4)
             self._in_doubt.add(op_id)
             self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
             return True
@@ -773,11 +747,20 @@ class Driver:
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
+    def _drop_ready(self, rid: int) -> None:
+        """Rule 7a: a refused send's ready tokens, already queued behind its OpenSend, never reach the
+        core (it has no session for them: that would be a LocalProtocolError, our bug)."""
+        kept = [(c, e) for c, e in self._events if not (type(e) is SourceReady and e.request_id == rid)]
+        if len(kept) != len(self._events):
+            self._events.clear()
+            self._events.extend(kept)
+
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)
             self._pending_tokens.pop(action.request_id, None)
+            self._drop_ready(action.request_id)
             self._unpublished.pop(action.request_id, None)
             if state is not None:
                 if state.aux_slot >= 0:

@@ -4,20 +4,14 @@ Owns: the exit codes, the order of the fatal path, the kill route (``Abort`` on 
 communicator, then a same-host SIGKILL sweep, then SIGKILL of self), and the launcher-SIGTERM dump.
 
 Rules:
-  0. ``request(action)`` is how the engine and the watchdogs ask for a kill: it wakes the executor's
-     own pre-started ``kvown-failstop`` thread (starting a thread on the fatal path is an unbounded
-     wait) and then waits, bounded, for the kill to be dispatched; if the worker did not dispatch it
-     in time (dead, starved), the requesting thread executes the kill itself. The owning
-     ``RankRuntime``'s exit hook does the same from the main thread when the program ends while a
-     kill is pending, so no daemon thread is ever the only road to the kill.
-  1. The fatal path runs on a kvown thread, never inside a core call, and never blocks
-     on anything it does not bound: diagnostics (flight recorder dump + one stderr line) run on a
-     daemon thread, started when the executor is built (starting a thread is itself an unbounded
-     wait), and waited for at most ``dump_join_s`` (0.5 s); then the kill is dispatched whatever the
-     diagnostics did (finished, still blocked, never started).
-  2. The kill path never takes the logging lock and never flushes Python streams: the only
-     diagnostic is one ``os.write`` to fd 2, and that too runs on the bounded dump thread (a full
-     stderr pipe blocks ``write``).
+  0. ``request(action)`` wakes the executor's pre-started ``kvown-failstop`` thread and waits, bounded,
+     for the kill to be dispatched, else executes it itself; the ``RankRuntime``'s exit hook does the
+     same from the main thread, so no daemon thread is ever the only road to the kill.
+  1. The fatal path runs on a kvown thread, never inside a core call, and blocks on nothing it does
+     not bound: diagnostics (flight dump + one stderr line) run on a daemon thread started with the
+     executor and are waited for at most ``dump_join_s`` (0.5 s); then the kill goes out regardless.
+  2. The kill path never takes the logging lock nor flushes Python streams: its one diagnostic is an
+     ``os.write`` to fd 2, on the bounded dump thread (a full stderr pipe blocks ``write``).
   3. ``Abort`` is called on the communicator captured by ``qualify_world``; ``MPI.COMM_WORLD`` is
      never looked up here (from a new thread it may be the wrong world).
   4. It fires at most once per executor. A kill that fails (``Abort`` raised, SIGKILL refused)

@@ -4,35 +4,23 @@ Owns: the per-rank event ring and the dump file format (JSON lines); ``kvown ins
 (``kvown.apps.inspect``) reads it.
 
 Rules:
-  1. Recording is cheap and safe from any thread. The ring is a list preallocated at ``capacity``
-     slots; a record takes one slot index from a counter (``itertools.count``: atomic under the GIL),
-     one clock read and one tuple store. Nothing is formatted on the hot path: ``note(code, rid, a,
-     b, c, d)`` stores up to four plain values under an integer event code whose field names live in
-     ``EVENT_FIELDS``; ``record(kind, rid, **detail)`` (cold paths) stores the detail dict as given.
-     Odd detail values are ``repr``'d at dump time, never here; recording never logs, blocks or raises.
+  1. Recording is cheap and safe from any thread: one slot index from ``itertools.count`` (atomic
+     under the GIL), one clock read, one tuple store into a preallocated ring. ``note(code, rid, ...)``
+     stores plain values under an integer code (names in ``EVENT_FIELDS``), ``record(kind, rid,
+     **detail)`` a dict (cold paths); formatting waits for the dump; recording never logs or raises.
   2. ``dump`` never uses ``logging`` (the fail-stop path may run while a logger is wedged) and takes
      no lock that recording holds: it copies the ring (one C-level list copy under the GIL) and
      formats the copy.
-  3. The dump is written in order header, open sessions, events (oldest first), stacks, so a dump cut
-     short by the kill still starts with the reason and what was left unproven. The open sessions
-     come from ``state_source`` (the driver's ``open_sessions``, a pure read that copes with a table
-     changing under it); a failure there is written as one line and never stops the dump.
-  4. Stacks are read through ``current_frames``, never ``sys._current_frames`` directly: on CPython
-     3.11 a garbage collection that starts inside that call can deadlock the whole process with the
-     GIL held (see ``current_frames``), and a dump runs on the fatal path.
+  3. The dump is written header, open sessions (``state_source``: a failure there is one line), events
+     (oldest first), stacks: a dump cut short by the kill still starts with the reason and the claims.
+  4. Stacks are read through ``current_frames``, never ``sys._current_frames`` (a GC inside it can
+     deadlock CPython 3.11 with the GIL held).
 
 Invariants:
   INV-FR1  The ring never holds more than ``capacity`` events; ``dropped`` counts what fell out.
   INV-FR2  A dump file names the rank, pid, reason and, where known, the fatal request id.
   INV-FR3  File name is ``kvown-flight-rank{R}-pid{P}.jsonl``, so ranks of one job never collide.
-
-File format (one JSON object per line):
-  {"type": "header", "rank", "pid", "reason", "request_id", "detail", "wall_time_s", "mono_ns",
-   "capacity", "dropped"}
-  {"type": "open_session", "role", "request_id", "state", "outcome", "writers": [...], "missing": [...],
-   "opened_ns", "drain_started_ns", "drain_reason", "fatal_deadline_ns"}                 (one per session)
-  {"type": "event", "t_ns", "kind", "request_id", "detail": {...}}       t_ns is ``time.monotonic_ns``
-  {"type": "stack", "thread_id", "thread_name", "daemon", "frames": ["file:line in func", ...]}
+File format (JSON lines: header, open_session, event, stack): docs/design.md section 14.
 """
 
 from __future__ import annotations

@@ -3,14 +3,9 @@
 Owns: the heartbeat deadline, the ``kvown-hang`` watcher thread, and the process-wide
 ``faulthandler`` backstop timer.
 
-Two tiers, because one is not enough:
-  * Python tier: the watcher thread sees ``now > last heartbeat + timeout``, records every thread's
-    stack in the flight recorder and calls the fail-stop executor with ``FatalReason.HANG`` (flight
-    dump + ``Abort(78)``). It needs the GIL, so it cannot run while a C call holds the GIL.
-  * C tier: ``faulthandler.dump_traceback_later(timeout + margin, exit=True)``, re-armed from
-    ``heartbeat``. Its timer is a C thread that does not need the GIL: it prints every thread's
-    traceback to ``backstop_file`` (stderr by default) and ``_exit(1)``; the launcher then kills the
-    peers. It cannot dump the flight recorder or choose the exit code (always 1).
+Two tiers (docs/design.md section 14): the Python watcher (stacks into the flight recorder, then
+``FatalReason.HANG``; needs the GIL) and the C backstop ``faulthandler.dump_traceback_later(timeout +
+margin, exit=True)``, which needs no GIL but can only print tracebacks and ``_exit(1)``.
 
 Rules:
   1. ``heartbeat`` is cheap: one clock read and one attribute store, plus, at most every

@@ -17,9 +17,6 @@ Rules:
   5. An exception from the core is itself fatal (``FatalReason.ENGINE_CRASH``), never logged and
      ignored.
 
-Note (honest limitation): taking the lock means a wedged engine thread that holds the lock forever
-also stalls deadline evaluation. The hang detector (``kvown.runtime.hang``) covers that case.
-
 Invariants:
   INV-WD1  ``executor.execute`` is called at most once per watchdog.
   INV-WD2  The lock is never held while ``executor.execute`` runs.

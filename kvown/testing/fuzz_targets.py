@@ -257,7 +257,7 @@ def frame_one_input(data: bytes) -> str:
 
 
 def _check_stream_step(before: Any, streams: InboundStreams, envelope: Any, delivered: list[Any]) -> None:
-    """INV-S1 for one accepted envelope: what came out is the stream's next seqs, in order, no gaps;
+    """INV-ST1 for one accepted envelope: what came out is the stream's next seqs, in order, no gaps;
     nothing came out means it was held (one more held frame) or a duplicate (one more duplicate)."""
     if delivered:
         seqs = [e.seq for e in delivered]

@@ -30,7 +30,7 @@ def test_any_arrival_order_delivers_in_sequence_exactly_once(order) -> None:
     for seq in order:
         got += [e.seq for e in inbound.deliver(_env(1, seq))]
         got += [e.seq for e in inbound.deliver(_env(1, seq))]  # every frame also duplicated
-    assert got == [0, 1, 2, 3]  # INV-S1
+    assert got == [0, 1, 2, 3]  # INV-ST1
     assert inbound.duplicates == 4 and inbound.held_count() == 0
 
 

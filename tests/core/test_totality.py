@@ -1,5 +1,6 @@
-"""Totality: every (state, input) pair of RX_TRANSITIONS and OP_TRANSITIONS is either routed to its
-named handler / next state, or raises the right error and leaves the state unchanged."""
+"""Totality: every (state, input) pair of RX_TRANSITIONS, RX_TIMER_TRANSITIONS, SX_TRANSITIONS and
+OP_TRANSITIONS is either routed to its named handler / next state, or raises the right error and leaves
+the state unchanged (or, for the sender's time and poison inputs, cannot happen)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 import pytest
 from corekit import RX, msg, receiver, sender
 
-from kvown.core.errors import LocalProtocolError, PeerProtocolError
+from kvown.core.errors import InvariantViolation, LocalProtocolError, PeerProtocolError
 from kvown.core.events import (
     CancelRequested,
     LocalCompletionDone,
@@ -17,15 +18,16 @@ from kvown.core.events import (
     OpenSend,
     ReleaseRequested,
     SourceReady,
+    Tick,
     WriteCompleted,
     WriteFailed,
     WriteNotSubmitted,
     WriteSubmitFailed,
     WriteSubmitted,
 )
-from kvown.core.messages import KvResult, RequestData, ResultStatus, SessionQuiesced
-from kvown.core.receiver import PEER_INPUTS, RX_TRANSITIONS, RxInput, RxState
-from kvown.core.sender import OP_TRANSITIONS, Operation, OpInput, OpState, PieceKind
+from kvown.core.messages import CancelSession, KvResult, RequestData, ResultStatus, SessionQuiesced
+from kvown.core.receiver import PEER_INPUTS, RX_TIMER_TRANSITIONS, RX_TRANSITIONS, ReceiverCore, RxInput, RxState, RxTimer
+from kvown.core.sender import OP_TRANSITIONS, SX_TRANSITIONS, Operation, OpInput, OpState, PieceKind, SxInput, SxState
 
 RX_EVENTS = {
     RxInput.CANCEL: lambda: CancelRequested(1),
@@ -50,7 +52,7 @@ def test_every_receiver_input_has_an_event() -> None:
     assert set(RX_EVENTS) == set(RxInput)
     from kvown.core.receiver import ReceiverCore
 
-    assert all(callable(getattr(ReceiverCore, h, None)) for h in RX_TRANSITIONS.values())
+    assert all(callable(getattr(ReceiverCore, t.handler, None)) for t in RX_TRANSITIONS.values())
 
 
 @pytest.mark.timeout(10)
@@ -61,10 +63,10 @@ def test_receiver_pair(state: RxState, kind: RxInput, monkeypatch: pytest.Monkey
     s = r.sessions[1]
     s.state = state
     s.local_pending[5] = 0
-    handler = RX_TRANSITIONS.get((state, kind))
-    if handler is not None:
+    step = RX_TRANSITIONS.get((state, kind))
+    if step is not None:
         called = []
-        monkeypatch.setattr(type(r), handler, lambda self, *args: called.append(args[0]))
+        monkeypatch.setattr(type(r), step.handler, lambda self, *args: called.append(args[0]))
         r.handle(RX_EVENTS[kind](), 1)
         assert len(called) == 1
         return
@@ -133,3 +135,134 @@ def test_unknown_op_and_unknown_event_raise() -> None:
         s.handle(SourceReady(3, 0), 0)
     with pytest.raises(LocalProtocolError):
         receiver().handle(SourceReady(1, 0), 0)
+
+
+# ---- receiver time (RX_TIMER_TRANSITIONS) -----------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("state", "timer"), list(itertools.product(RxState, RxTimer)), ids=lambda v: v.value)
+def test_receiver_timer_pair(state: RxState, timer: RxTimer) -> None:
+    r = receiver()
+    r.handle(OpenReceive(1, (0,), (1,)), 0)
+    s = r.sessions[1]
+    s.state = state
+    to = RX_TIMER_TRANSITIONS.get((state, timer))
+    if to is not None:
+        assert ReceiverCore._timer(s, timer) == to and to
+        return
+    with pytest.raises(InvariantViolation) as info:
+        ReceiverCore._timer(s, timer)
+    assert info.value.state == state.value and s.state is state
+
+
+# ---- the sender session (SX_TRANSITIONS over the derived SendSession.state) -------------------------
+
+RX2 = 8  # a second receiver
+
+
+def _sender_in(state: SxState, *, posted: bool = True):
+    """A sender whose session 1 is in ``state``; with ``posted`` its one operation is SUBMITTED."""
+    s = sender()
+    s.handle(OpenSend(1, (0, 1), 1, num_receivers=2), 0)
+    if state is not SxState.OPEN:
+        s.handle(msg(RX, 1, RequestData(1, RX, (5, 6), 0, 1, -1)), 0)
+        if posted:
+            s.handle(SourceReady(1, 0), 0)
+            s.handle(WriteSubmitted(0), 0)
+    if state in (SxState.DRAINING, SxState.FATAL):
+        s.handle(CancelRequested(1), 0)  # the posted op keeps it draining
+    if state is SxState.FATAL:
+        s.handle(Tick(), 10_000)
+    assert s.sessions[1].state is state
+    return s
+
+
+def _poison_another(s) -> None:
+    """Session 2's WRITE goes in doubt: the rank is poisoned (sender rule 2)."""
+    t = s._now_ns
+    s.handle(OpenSend(2, (2,), 1), t)
+    s.handle(msg(RX2, 1, RequestData(2, RX2, (7,), 0, 1, -1)), t)
+    s.handle(SourceReady(2, 0), t)
+    op = max(s._ops, default=0)
+    s.handle(WriteSubmitted(op), t)
+    s.handle(WriteFailed(op, "planted"), t)
+
+
+def _at(s, t: int) -> int:
+    return max(t, s._now_ns)  # a FATAL sender's clock is already at 10_000
+
+
+SX_FEED = {
+    SxInput.PUBLISH: lambda s: s.handle(msg(RX2, 1, RequestData(1, RX2, (3, 4), 0, 1, -1)), _at(s, 1)),
+    SxInput.SOURCE_READY: lambda s: s.handle(SourceReady(1, 0), _at(s, 1)),
+    SxInput.WRITE: lambda s: s.handle(WriteCompleted(0), _at(s, 1)),
+    SxInput.CANCEL: lambda s: s.handle(CancelRequested(1), _at(s, 1)),
+    SxInput.PEER_CANCEL: lambda s: s.handle(msg(RX, 1, CancelSession(1, RX)), _at(s, 1)),
+    SxInput.POISON: _poison_another,
+    SxInput.TIMEOUT: lambda s: s.handle(Tick(), _at(s, 1000)),  # the request deadline (exposure 0 + T)
+    SxInput.DEADLINE: lambda s: s.handle(Tick(), _at(s, 20_000)),
+}
+
+
+def _state_of(s) -> SxState:
+    return s.sessions[1].state if 1 in s.sessions else SxState.RELEASED
+
+
+@pytest.mark.timeout(10)
+def test_every_sender_input_has_a_feed_and_terminal_states_have_no_row() -> None:
+    assert set(SX_FEED) == set(SxInput)
+    assert not [k for k in SX_TRANSITIONS if k[0] in (SxState.RELEASED, SxState.FATAL)]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("state", "kind"), list(itertools.product(
+    [SxState.OPEN, SxState.PUBLISHED, SxState.DRAINING, SxState.FATAL], SxInput)), ids=lambda v: v.value)
+def test_sender_session_pair(state: SxState, kind: SxInput) -> None:
+    """A legal pair ends in one of its cell's states (the guard checked every step on the way); an
+    illegal one raises and changes nothing, or cannot happen: that input leaves the session alone."""
+    s = _sender_in(state, posted=(state, kind) != (SxState.PUBLISHED, SxInput.POISON))  # poison needs ADMITTED
+    before = repr(s.sessions[1])
+    to = SX_TRANSITIONS.get((state, kind))
+    if to is not None:
+        SX_FEED[kind](s)
+        assert _state_of(s) in to
+        return
+    if (state, kind) == (SxState.OPEN, SxInput.WRITE):  # no operation exists to answer for
+        with pytest.raises(LocalProtocolError):
+            SX_FEED[kind](s)
+    elif (state, kind) == (SxState.PUBLISHED, SxInput.DEADLINE):
+        session = s.sessions[1]  # the request deadline always comes first: PUBLISHED -> DRAINING -> FATAL
+        assert s._fatal_deadline_ns(session) > session.clock.request_deadline_ns
+        SX_FEED[kind](s)
+        assert _state_of(s) is SxState.FATAL
+        return
+    elif kind is SxInput.TIMEOUT:  # what time does to it, without the fail-stop deadline it also passes
+        s._evaluate(1, s.sessions[1], 1000, [])
+    else:
+        SX_FEED[kind](s)
+    assert repr(s.sessions[1]) == before
+
+
+@pytest.mark.timeout(10)
+def test_the_sender_guard_catches_a_step_outside_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: a local cancel that forgets to conclude a session with nothing posted - it would stay
+    OPEN, holding its source for a request that is fenced for good."""
+    from kvown.core.sender import SenderCore
+
+    monkeypatch.setattr(SenderCore, "_conclude", lambda self, s, outcome, reason, now_ns, actions: None)
+    s = _sender_in(SxState.OPEN)
+    with pytest.raises(InvariantViolation, match="outside SX_TRANSITIONS") as info:
+        s.handle(CancelRequested(1), 1)
+    assert info.value.state == "open" and info.value.to == "open"
+
+
+@pytest.mark.timeout(10)
+def test_poison_never_reaches_a_draining_session() -> None:
+    """Why (DRAINING, POISON) is not a cell: poison concludes sessions with ADMITTED ops, and the
+    outcome refuses every ADMITTED op (an unposted draining session is released at once)."""
+    s = _sender_in(SxState.DRAINING)
+    assert not any(op.state is OpState.ADMITTED for st in s.sessions[1].streams.values() for op in st.ops)
+    s = _sender_in(SxState.PUBLISHED, posted=False)
+    s.handle(CancelRequested(1), 1)
+    assert 1 not in s.sessions

@@ -542,3 +542,115 @@ def test_cancel_writers_are_checked_in_the_callers_thread() -> None:
     with pytest.raises(LocalProtocolError) as err:
         p.tx.send(make_request_id(1, 53), (0, 1), num_pieces=2, dst_suffix=True)
     assert err.value.field == "dst_suffix"
+
+
+# ---- a LocalProtocolError inside the engine is our bug: an INVARIANT fail-stop (driver rule 6a) -----
+
+
+def _planted_core_bug(p: Pair, monkeypatch: pytest.MonkeyPatch):
+    """The receiver core refuses a release it should accept (a planted bug): what does the rank do?"""
+    from kvown.core.events import ReleaseRequested
+
+    rid, handle, _ = p.transfer(37)
+    core = p.drivers[RX].receiver
+    real = core.handle
+
+    def buggy(event, now_ns):
+        if type(event) is ReleaseRequested:
+            raise LocalProtocolError("planted core bug", field="request_id", request_id=event.request_id)
+        return real(event, now_ns)
+
+    monkeypatch.setattr(core, "handle", buggy)
+    p.rx.release(rid)
+    p.run(steps=5)
+    return rid, handle
+
+
+@pytest.mark.timeout(30)
+def test_a_local_protocol_error_inside_the_engine_fail_stops_with_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = Pair()
+    rid, handle = _planted_core_bug(p, monkeypatch)
+    fatal = p.fatal.get(RX)
+    assert fatal is not None and fatal.reason is FatalReason.INVARIANT and fatal.request_id == rid
+    assert "planted core bug" in fatal.detail and "ReleaseRequested" in fatal.detail
+    assert p.drivers[RX].fatal is fatal and not handle.retired.is_set()  # everything stays held
+    kinds = [e[1] for e in p.drivers[RX].recorder.events()]
+    assert kinds.index("local_protocol_error") < kinds.index("fail_stop")  # recorded, then the stop
+    assert p.drivers[RX].stats["local_protocol_errors"] == 1 and TX not in p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_the_core_bug_check_catches_a_driver_that_swallows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the old driver, which counted a LocalProtocolError as "a race between API calls" and went on."""
+    def swallow(self, event, exc) -> None:
+        self.stats["local_protocol_errors"] += 1
+
+    monkeypatch.setattr(Driver, "_core_bug", swallow)
+    p = Pair()
+    rid, handle = _planted_core_bug(p, monkeypatch)
+    assert RX not in p.fatal and p.drivers[RX].fatal is None  # what the check above rules out
+    assert p.drivers[RX].stats["local_protocol_errors"] == 1 and not handle.retired.is_set()
+
+
+def _refused_send_with_a_ready_token(p: Pair):
+    """A send whose request id is below this rank's watermark: the core refuses it as stale, while its
+    (already ready) token's SourceReady is queued right behind the OpenSend."""
+    from kvown.runtime.commands import SetWatermark
+
+    p.drivers[TX].submit(SetWatermark(2))
+    p.run(steps=3)
+    send = p.tx.send(make_request_id(1, 38), (0, 1))  # ready=None: a token that is ready at once
+    p.run(steps=5)
+    return send
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_send_is_an_admission_error_not_a_fail_stop() -> None:
+    p = Pair()
+    send = _refused_send_with_a_ready_token(p)
+    assert send.released.is_set() and "stale" in str(send.outcome.exception(0))
+    assert not p.fatal and p.drivers[TX].stats["local_protocol_errors"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_the_refused_send_check_catches_a_driver_that_keeps_its_ready_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the driver forgets the refused send's queued SourceReady: the core refuses it (rule 6a)."""
+    monkeypatch.setattr(Driver, "_drop_ready", lambda self, rid: None)
+    p = Pair()
+    _refused_send_with_a_ready_token(p)
+    assert p.fatal[TX].reason is FatalReason.INVARIANT and "SourceReady" in p.fatal[TX].detail
+
+
+def _watermark_over_a_live_session(p: Pair):
+    from kvown.runtime.commands import SetWatermark
+
+    rid = make_request_id(1, 39)
+    ticket = p.rx.submit_receive(rid, 2, (TX,))
+    p.run(ticket.future.done, steps=5)
+    p.drivers[RX].submit(SetWatermark(2))  # epoch 1 is still live here: the core would refuse it
+    p.run(steps=3)
+    return rid, ticket.future.result(0)
+
+
+@pytest.mark.timeout(30)
+def test_a_watermark_over_a_live_session_is_a_counted_no_op() -> None:
+    p = Pair()
+    rid, handle = _watermark_over_a_live_session(p)
+    stats = p.drivers[RX].statistics()
+    assert stats.counter("watermark_refused") == 1 and stats.counter("local_protocol_errors") == 0 and not p.fatal
+    p.tx.send(rid, (0, 1))  # the session it would have cut off still completes
+    p.run(handle.landed.is_set)
+    p.rx.release(rid)
+    p.run(handle.retired.is_set)
+    assert handle.outcome.result(0) is Outcome.COMPLETED and not p.fatal
+
+
+@pytest.mark.timeout(30)
+def test_the_watermark_check_catches_a_driver_that_hands_it_to_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the driver asks no core first: the receiver core refuses it, and that is our bug (rule 6a)."""
+    from kvown.core.receiver import ReceiverCore
+
+    monkeypatch.setattr(ReceiverCore, "watermark_refusal", lambda self, epoch: "")
+    p = Pair()
+    _watermark_over_a_live_session(p)
+    assert p.fatal[RX].reason is FatalReason.INVARIANT and "WatermarkSet" in p.fatal[RX].detail
