@@ -2,9 +2,10 @@
 
 A module there that touches ``.driver``, ``.engine``, ``.transport`` of a runtime, a driver's lock, a
 core's sessions, or a private name of a kvown module is reaching past the API: the API is missing a
-call. Three modules are the wiring itself and may: the simulator (it builds the production driver over
-fakes), the stepped driver pair (``kvown.testing.pair``, the same for tests) and the per-session cost
-benchmark (it steps two drivers from one thread to count their CPU).
+call. Four modules are the wiring itself and may: the simulator (it builds the production driver over
+fakes) and its oracles (moved out of it: they read the raw state a mutant cannot patch), the stepped
+driver pair (``kvown.testing.pair``, the same for tests) and the per-session cost benchmark (it steps
+two drivers from one thread to count their CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ["kvown/apps", "kvown/integrations", "kvown/testing", "examples"]
-WIRING = {"kvown/testing/sim.py", "kvown/testing/pair.py", "kvown/apps/benchmarks/cost.py"}
+WIRING = {"kvown/testing/sim.py", "kvown/testing/oracles.py", "kvown/testing/pair.py", "kvown/apps/benchmarks/cost.py"}
 INTERNAL_ATTRS = {"driver", "engine", "_engine", "_driver", "transport"}
 OWN = {"self", "cls"}  # an object's own attributes (a fault wrapper's transport, say) are its business
 

@@ -1,6 +1,7 @@
 """kvown's error types.
 
-Owns: the whole exception hierarchy. Every raise site in kvown uses one of these.
+Owns: the whole exception hierarchy. Every raise site in kvown uses one of these. Plus
+``require_positive_ints``, the one check of a config's integer fields (the apps' and the simulator's).
 
 Rules:
   1. Errors carry fields (request id, rank, state, field name) and read well in a log; never a bare
@@ -22,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -75,3 +77,13 @@ class AdapterError(KvownError):
 
 class InvariantViolation(KvownError):
     """A safety invariant (``INV-*``) failed. Only the engine catches this, and it fail-stops."""
+
+
+def require_positive_ints(config: object, names: Iterable[str], *, zero_ok: Iterable[str] = ()) -> None:
+    """Raise ``ConfigError`` naming the first of ``names`` whose value on ``config`` is not an ``int`` > 0
+    (>= 0 for the names in ``zero_ok``; ``bool`` is no integer here)."""
+    zero_ok = frozenset(zero_ok)
+    for name in names:
+        value = getattr(config, name)
+        if type(value) is not int or value < 0 or (value == 0 and name not in zero_ok):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name, value=value)

@@ -3,12 +3,14 @@
 Owns: nothing beyond what it builds with ``kvown.runtime.stack``. No thread and, by default, no real clock:
 ``run`` steps both drivers and advances the pair's own integer clock ``now``. The fabric is the fake
 library's (``FakeFabric``) unless ``endpoint`` builds real NIXL endpoints. Used by the driver's tests, the
-fault-point tests and the cost benchmark.
+fault-point tests and the cost benchmark. ``views()`` shows each rank to the oracles
+(``kvown.testing.oracles``), as the simulator's ranks do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvown.adapters.transport import Role
@@ -71,9 +73,34 @@ class DriverPair:
                 return
             self.now += dt
 
+    def views(self) -> dict[int, PairRank]:
+        """Each rank as the oracles read it (``oracles.RankView``); ``faulty`` when the wrapper is a fault one."""
+        out = {}
+        for rank, stack in self.stacks.items():
+            wrapped = stack.transport if stack.transport is not stack.parts.transport else None
+            out[rank] = PairRank(rank, Role.SENDER if rank == TX else Role.RECEIVER, f"r{rank}", stack.driver,
+                                 stack.parts.pool, stack.parts.aux, stack.driver.recorder,
+                                 wrapped if hasattr(wrapped, "raised") else None, self.fatal.get(rank))
+        return out
+
+
+@dataclass
+class PairRank:
+    """One rank of the pair as ``kvown.testing.oracles.RankView``."""
+
+    rank: int
+    role: Role
+    agent: str
+    driver: Driver
+    pool: KVPool
+    aux: Any
+    recorder: FlightRecorder
+    faulty: Any
+    fatal: FailStop | None
+
 
 def _ignore(action: FailStop) -> None:
     pass
 
 
-__all__ = ["RX", "TX", "DriverPair"]
+__all__ = ["RX", "TX", "DriverPair", "PairRank"]

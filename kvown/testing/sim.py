@@ -19,11 +19,8 @@ Rules:
      insiders forge acks for other writers.
   3. The clock jumps to the earliest of: the next workload event, a rank's core deadline, a rank's
      held frame or WRITE becoming due. Ranks with work are stepped until quiet at each instant.
-  4. Oracles read state directly (raw attributes, the fake fabric, the bytes in the pools), never
-     through core methods a mutant may patch.
-
-Oracles, after every rank step (``InvariantViolation`` with ``tag``, the seed and the decision log), (a) to (g),
-are listed in docs/design.md section 13.
+  4. The oracles (``kvown.testing.oracles``, one class each) run after every rank step and at the end;
+     a violation raises ``InvariantViolation`` with its ``tag``, ``oracle``, the seed and the decision log.
 """
 
 from __future__ import annotations
@@ -41,16 +38,16 @@ from kvown.adapters.transport import Role
 from kvown.api import Receiver, Sender
 from kvown.cache.layout import KVLayout
 from kvown.cache.pool import KVPool
-from kvown.core.actions import FailStop, FatalReason, Outcome
+from kvown.core.actions import FailStop, Outcome
 from kvown.core.errors import InvariantViolation, KvownError
-from kvown.core.ids import make_request_id, split_request_id
-from kvown.core.messages import RequestData, SessionQuiesced
-from kvown.core.sender import LIVE
+from kvown.core.ids import make_request_id
+from kvown.core.messages import SessionQuiesced
 from kvown.runtime.commands import ReceiveHandle, SendHandle, Ticket
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.flight import FlightRecorder
 from kvown.runtime.stack import assemble, build_parts
 from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
+from kvown.testing import oracles
 from kvown.testing.faults import FaultProfile, FaultyTransport
 
 JOB_KEY = b"kvown-sim-job-key-0123456789abcdef"
@@ -143,7 +140,8 @@ class _Rank:
             transfer_timeout_s=c.timeout_ns * NS, grace_s=c.grace_ns * NS, control_retry_s=c.control_retry_ns * NS,
             aux_slots=c.aux_slots, aux_slot_nbytes=8, canary=True, metrics_port=0,
         )
-        self.endpoint = FakeNixlEndpoint(f"sim-r{rank}", fabric=world.fabric)
+        self.agent = f"sim-r{rank}"  # its name on the fake fabric
+        self.endpoint = FakeNixlEndpoint(self.agent, fabric=world.fabric)
         parts = build_parts(rank, frozenset({role}), self.endpoint, KVPool(layout), config=config,
                             geometry_digest=layout.geometry_digest())
         self.pool, self.aux, self.transport = parts.pool, parts.aux, parts.transport
@@ -164,13 +162,11 @@ class _Rank:
         self.driver, self.engine = stack.driver, stack.engine  # the engine is never started
         self.api: Sender | Receiver | None = None
         self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
-        self.seen_frames: set[tuple[int, int]] = set()
-        self.recorded = 0  # flight-recorder events already scanned
         self.wake: int | None = None  # cached: changes only when this rank is stepped
         self.tickets: dict[int, tuple[Ticket, int]] = {}  # rid -> (ticket, tries)
         self.recvs: dict[int, ReceiveHandle] = {}
         self.sends: dict[int, SendHandle] = {}
-        self.fence_tables = (self.driver.sender or self.driver.receiver).fence._tables  # type: ignore[union-attr]
+        self.fence_tables = oracles.fence_tables(self.driver)
 
     def _on_fail_stop(self, action: FailStop) -> None:
         self.fatal = self.fatal or action
@@ -204,18 +200,28 @@ class SimWorld:
         self.requests: dict[int, _Request] = {}
         self.src_free = {w: list(range(c.num_blocks)) for w in self.senders}
         self.src_blocks: dict[tuple[int, int], tuple[int, ...]] = {}  # (writer, rid) -> its source blocks
-        self.src_owner: dict[tuple[int, int], tuple[int, int]] = {}  # (writer, block) -> (rid, piece)
-        self.ready: set[tuple[int, int, int]] = set()  # (writer, rid, piece) signalled
-        self.opened: dict[tuple[int, int], int] = {}  # (rank, rid) -> exposure time (receive opened)
-        self.concluded: dict[tuple[int, int], int] = {}  # (rank, rid) -> first conclusion seen
-        self.local_copies: dict[tuple[int, int], list[tuple[int, Any]]] = collections.defaultdict(list)
-        self.fenced_seen: dict[int, set[int]] = collections.defaultdict(set)
-        self.drain_seen: dict[tuple[int, int, int], int] = {}
+        self.facts = f = oracles.Facts()  # what the embedding servers did: the workload writes, oracles read
+        self.opened, self.concluded, self.local_copies = f.opened, f.concluded, f.local_copies
+        self.ready, self.src_owner, self._born_fenced = f.ready, f.src_owner, f.born_fenced
         self.verified: set[tuple[int, int]] = set()
-        self._born_fenced: set[tuple[int, int]] = set()  # sessions reopened for an id fenced at that rank
-        self._split = {}  # rid -> (epoch, seq)
         self._plan()
-        self._split = {rid: split_request_id(rid) for rid in self.requests}
+        self._oracles()
+
+    def _oracles(self) -> None:
+        """One checker per invariant (``kvown.testing.oracles``); each reports to ``_raise``."""
+        report, bs = self._raise, self.layout.block_nbytes
+        self.no_invariant_fail_stop = oracles.NoInvariantFailStop(report)
+        self.watchdog_agrees = oracles.WatchdogAgrees(report)
+        self.evidence_once = oracles.EvidenceOnce(report)
+        self.session_bounds = oracles.SessionBounds(report, self.facts)
+        self.fences = oracles.FencesNeverReopen(report, self.requests)
+        self.pool_accounting = oracles.PoolAccounting(report)
+        self.writes_after_ready = oracles.WritesAfterReady(report, self.fabric, self.facts, bs)
+        self.no_stream_holes = oracles.NoStreamHoles(report, self.config.control_retry_ns)
+        self.retirement_proof = oracles.RetirementProof(report, self.fabric, JOB_KEY, bs)
+        self.landed_bytes = oracles.LandedBytes(report, bs, _pattern)
+        self.end_state = oracles.EndState(report)
+        self._pools = {r: rank.pool for r, rank in self.ranks.items()}
 
     # ---- plumbing ---------------------------------------------------------------------------------
 
@@ -236,6 +242,9 @@ class SimWorld:
             f"  last {len(self.log)} decisions:\n{lines}",
             seed=self.seed, tag=tag, **fields,
         )
+
+    def _raise(self, v: oracles.Violation) -> None:
+        raise self.violation(v.tag, v.what, oracle=v.oracle, **v.fields)
 
     def _live(self, rank: int) -> bool:
         return rank not in self.dead and self.ranks[rank].fatal is None
@@ -407,7 +416,7 @@ class SimWorld:
             if handle.retired.is_set():
                 del rank.recvs[rid]
                 self.counts["retired"] += 1
-                self._check_retirement(rank, rid, handle)
+                self.retirement_proof.check(rank, rid, handle, self.requests[rid].writers, self.ranks, self.dead)
         for rid, handle in list(rank.sends.items()):
             self._observe_outcome(r, rid, handle)
             if handle.released.is_set():
@@ -427,8 +436,7 @@ class SimWorld:
             return
         outcome = handle.outcome.result()
         self.counts[f"outcome_{outcome.value}"] += 1
-        if (rank, rid) in self._born_fenced and outcome is not Outcome.CANCELLED:
-            raise self.violation("d", f"a session for fenced id {rid} on rank {rank} was not born cancelled")
+        self.session_bounds.concluded(rank, rid, outcome)
         if outcome is not Outcome.COMPLETED and self.rng.random() < self.config.p_reopen:
             self._at(self.now + self.rng.randint(20, 200), "reopen", rank, lambda k=rank, q=rid: self._reopen_after(k, q))
 
@@ -445,14 +453,7 @@ class SimWorld:
 
     def _verify_landed(self, rank: int, rid: int, handle: ReceiveHandle) -> None:
         """(e) the landed blocks hold exactly what the writers wrote; the aux slot its payload."""
-        data, bs = self.ranks[rank].bytes, self.layout.block_nbytes
-        for j, b in enumerate(handle.blocks):
-            if not np.array_equal(data[b * bs : (b + 1) * bs], _pattern(rid, j, bs)):
-                raise self.violation("e", f"request {rid} landed on rank {rank} with wrong bytes in block {b} "
-                                          f"(index {j}): stale or foreign data", rid=rid)
-        if handle.aux_slot >= 0:
-            if self.ranks[rank].driver.read_aux(handle) != rid.to_bytes(8, "little"):
-                raise self.violation("e", f"request {rid} landed on rank {rank} with a wrong aux payload", rid=rid)
+        self.landed_bytes.check(rank, self.ranks[rank].bytes, rid, handle, self.ranks[rank].driver)
         self.counts["verified_landings"] += 1
 
     # ---- the step loop ------------------------------------------------------------------------------
@@ -550,175 +551,29 @@ class SimWorld:
                 self.counts["fatal"] += 1
                 self.counts[f"fatal_{rank.fatal.reason.value}"] += 1
 
-    # ---- oracles ------------------------------------------------------------------------------------
+    # ---- oracles (kvown.testing.oracles), after every rank step and at the end ---------------------
 
     def _fenced_raw(self, rank: int, rid: int) -> bool:
-        epoch, seq = self._split.get(rid) or split_request_id(rid)
-        table = self.ranks[rank].fence_tables.get(epoch)
-        return table is not None and table.get(seq) != 0
+        return self.fences.fenced(self.ranks[rank].fence_tables, rid)
 
     def _check_after_step(self, rank: _Rank) -> None:
         r, now = rank.rank, self.now
-        driver = rank.driver
-        if rank.fatal is not None:
-            if rank.fatal.reason is FatalReason.INVARIANT:
-                raise self.violation("e", f"rank {r} fail-stopped on an invariant: {rank.fatal.detail[:300]}")
-            self._say(f"rank {r} FAIL-STOP {rank.fatal.reason.value}: {rank.fatal.detail[:120]}")
+        if self.no_invariant_fail_stop.check(r, rank.fatal):
+            self._say(f"rank {r} FAIL-STOP {rank.fatal.reason.value}: {rank.fatal.detail[:120]}")  # type: ignore[union-attr]
             return
-        # (b) the watchdog's question and the engine's answer agree
-        if driver.check_fatal(now) is not None:
-            raise self.violation("b", f"rank {r} was stepped at t={now} yet check_fatal says fatal: "
-                                      f"{driver.check_fatal(now).detail[:200]}")
-        fences_may_change = self._check_recv_log(rank)
-        self._check_sessions(rank)
-        self._check_fences(rank, fences_may_change)
-        self._check_pool(rank)
-        self._check_new_writes()
-        self._check_holes(rank)
+        self.watchdog_agrees.check(r, rank.driver, now)
+        fences_may_change = self.evidence_once.check(r, rank.recorder, self._say)
+        self.session_bounds.check(r, rank.role, rank.driver, now)
+        self.fences.check(r, rank.fence_tables, fences_may_change)
+        self.pool_accounting.check(r, rank.pool)
+        self.writes_after_ready.check(self._pools)
+        self.no_stream_holes.check(r, rank.faulty, now)
 
-    def _check_recv_log(self, rank: _Rank) -> bool:
-        """(c) each (src, seq) reaches this rank's cores once; honest evidence is never disputed (the
-        insiders here forge acks on their own streams, which the core refuses without a dispute)."""
-        rank.recorded, new = rank.recorder.events_since(rank.recorded)
-        for _, kind, rid, detail in new:
-            self._say(f"r{rank.rank} {kind} {rid} {_brief(detail)}")
-            if kind in ("recv", "recv_carried"):  # a frame position (and message in it), or a carried report
-                key = ((detail["src"], detail["seq"], detail["index"]) if kind == "recv"
-                       else ("carried", detail["src"], rid, detail["msg"], detail["piece"]))
-                if key in rank.seen_frames:
-                    raise self.violation("c", f"rank {rank.rank}: message {key} delivered twice")
-                rank.seen_frames.add(key)
-            elif kind == "disputed":
-                raise self.violation("c", f"rank {rank.rank} disputed honest evidence for {rid}: {detail['reason']}")
-        return bool(new)
-
-    def _check_sessions(self, rank: _Rank) -> None:
-        """(b) the drain start never moves; no claim outlives its bound."""
-        core = rank.driver.receiver or rank.driver.sender
-        grace, timeout = core.config.grace_ns, core.config.timeout_ns
-        for rid, s in core.sessions.items():
-            if (rank.rank, rid) in self._born_fenced:  # (d) at once, not only when it concludes
-                raise self.violation("d", f"rank {rank.rank} opened a live session for fenced id {rid}", rid=rid)
-            key = (rank.rank, rid, id(s.clock))
-            started = s.clock.drain_started_ns
-            if started is not None and self.drain_seen.setdefault(key, started) != started:
-                raise self.violation("b", f"drain of {rid} on rank {rank.rank} moved (INV-D2)")
-            if rank.role is not Role.RECEIVER or (rank.rank, rid) not in self.opened:
-                continue
-            exposed = self.opened[(rank.rank, rid)]
-            trigger = min(self.concluded.get((rank.rank, rid), exposed + timeout), exposed + timeout)
-            writer_claims = bool(s.disputed) or any(
-                not ((w.stream_ended or w.acked) and not w.in_doubt) for w in s.writers.values())
-            bounds = [trigger + grace] if writer_claims else []
-            bounds += [t + grace for t, token in self.local_copies.get((rank.rank, rid), []) if not token.query()]
-            if bounds and self.now > min(bounds):
-                raise self.violation("b", f"session {rid} on rank {rank.rank} still has claims at t={self.now} > "
-                                          f"bound {min(bounds)} without a fail-stop", rid=rid)
-
-    def _check_fences(self, rank: _Rank, changed: bool) -> None:
-        """(d) a fence once seen never disappears (raw tables: a mutant may patch is_fenced). Fences are
-        installed only while the rank records events, so new ones are looked for only then."""
-        seen = self.fenced_seen[rank.rank]
-        for rid in seen:
-            if not self._fenced_raw(rank.rank, rid):
-                raise self.violation("d", f"fence for {rid} on rank {rank.rank} reopened")
-        if changed:
-            seen.update(rid for rid in self.requests if rid not in seen and self._fenced_raw(rank.rank, rid))
-
-    def _check_pool(self, rank: _Rank) -> None:
-        pool = rank.pool
-        if pool._num_free + pool._num_owned + pool._num_held != pool.layout.num_blocks:
-            raise self.violation("e", f"pool accounting broken on rank {rank.rank}")
-
-    def _check_new_writes(self) -> None:
-        """(f) every WRITE posted since the last check reads only source pieces whose token was signalled."""
-        for src, pieces in self.fabric.take_posted():
-            w = int(src.rsplit("r", 1)[1])
-            pool = self.ranks[w].pool
-            base, bs = pool.base_addr, self.layout.block_nbytes
-            for laddr, _, _ in pieces:
-                if base <= laddr < base + pool.layout.pool_nbytes:
-                    owner = self.src_owner.get((w, (laddr - base) // bs))
-                    if owner is not None and (w, owner[0], owner[1]) not in self.ready:
-                        raise self.violation("f", f"rank {w} posted a WRITE of request {owner[0]} piece {owner[1]} "
-                                                  "before its ready token", rid=owner[0])
-
-    def _check_holes(self, rank: _Rank) -> None:
-        """(g) a frame whose send raised unsent must be sent again within the resend budget."""
-        budget = self.config.control_retry_ns
-        for frame, since in rank.faulty.raised.items():
-            if self.now - since > budget + 1:
-                raise self.violation("g", f"rank {rank.rank} left a hole in a control stream: a frame whose send "
-                                          f"raised at t={since} was never sent again and the rank did not fail-stop")
-
-    def _check_retirement(self, rank: _Rank, rid: int, handle: ReceiveHandle) -> None:
-        """(a) at the moment of retirement nothing may still write into these blocks."""
-        r = rank.rank
-        req = self.requests[rid]
-        pool = rank.pool
-        bs = self.layout.block_nbytes
-        targets = [(pool.base_addr + b * bs, bs) for b in handle.blocks]
-        if handle.aux_slot >= 0:
-            targets.append((rank.aux.data_ptr() + 8 * handle.aux_slot, 8))
-        for src, dst, pieces in self.fabric.unfinished_writes():
-            if dst != f"sim-r{r}":
-                continue
-            for _, raddr, n in pieces:
-                if any(a < raddr + n and raddr < a + size for a, size in targets):
-                    raise self.violation("a", f"rank {r} retired request {rid} while a WRITE from {src} may still "
-                                              "touch its blocks", rid=rid)
-        for w in req.writers:
-            if w in self.dead:
-                continue
-            if self._request_data_in_flight(r, w, rid):
-                raise self.violation("a", f"rank {r} retired request {rid} while its REQUEST_DATA to writer {w} "
-                                          "is still on its way", rid=rid)
-            core = self.ranks[w].driver.sender
-            s = core.sessions.get(rid)
-            stream = s.streams.get(r) if s is not None else None
-            if stream is not None and any(op.state in LIVE for op in stream.ops):
-                raise self.violation("a", f"rank {r} retired request {rid} while writer {w} still has an operation "
-                                          "that may write", rid=rid)
-            if stream is None and r in core._saved.get(rid, {}) and not self._fenced_raw(w, rid) and not core.poisoned:
-                raise self.violation("a", f"rank {r} retired request {rid} while writer {w} holds its publication "
-                                          "and may still open a session", rid=rid)
-
-    def _request_data_in_flight(self, rx: int, w: int, rid: int) -> bool:
-        frames: list[bytes] = []
-        agent = self.fabric._agents.get(f"sim-r{w}")
-        if agent is not None:
-            frames += [item[2] for item in agent.inbox]
-        frames += [f for _, _, dst, f in self.ranks[rx].faulty._out if dst == w]
-        frames += [f for _, src, f in self.ranks[w].faulty._in if src == rx]
-        pending = self.ranks[rx].driver.resend.pending.get(w)
-        if pending is not None:
-            frames += [f for f, _ in pending.frames]
-        inbound = self.ranks[w].driver.inn
-        delivered_below = inbound._expected.get(rx, 0)  # a copy of a frame already delivered is a dropped duplicate
-        decoded = [codec.decode_frame(f, JOB_KEY) for f in frames if _authentic(f)]
-        pending = [f for f in decoded if not f.carried and f.seq >= delivered_below]
-        pending += list(inbound._held.get(rx, {}).values())
-        return any(isinstance(m, RequestData) and m.request_id == rid and f.src_rank == rx
-                   for f in pending for m in getattr(f, "messages", (getattr(f, "message", None),)))
-
-    def check_end(self) -> None:  # noqa: C901
+    def check_end(self) -> None:
         """At the end: live, non-fatal ranks have no sessions, every block free and every canary intact."""
         for r, rank in self.ranks.items():
-            if not self._live(r):
-                continue
-            core = rank.driver.sender or rank.driver.receiver
-            if core.sessions:
-                rid, s = next(iter(core.sessions.items()))
-                raise self.violation("b", f"rank {r} ended with {len(core.sessions)} live session(s), e.g. {rid} "
-                                          f"outcome={s.outcome} reason={s.reason!r}")
-            if rank.role is Role.RECEIVER:
-                stats = rank.pool.statistics()
-                if stats.free != stats.total:
-                    raise self.violation("e", f"rank {r} ended with blocks not free: {stats}")
-                canaries = rank.driver.canaries
-                broken = canaries.check(tuple(range(stats.total))) if canaries is not None else []
-                if broken:
-                    raise self.violation("e", f"rank {r}: a write landed after retirement: {broken[0]}")
+            if self._live(r):
+                self.end_state.check(rank)
 
 
 class _Token:
@@ -762,18 +617,6 @@ def _piece_of(index: int, nblocks: int, pieces: int) -> int:
 def _piece_blocks(blocks: tuple[int, ...], piece: int, pieces: int) -> tuple[int, ...]:
     n = len(blocks)
     return blocks[piece * n // pieces : (piece + 1) * n // pieces]
-
-
-def _brief(detail: dict[str, Any]) -> str:
-    return " ".join(f"{k}={str(v)[:60]}" for k, v in detail.items())
-
-
-def _authentic(frame: bytes) -> bool:
-    try:
-        codec.decode_frame(frame, JOB_KEY)
-    except KvownError:
-        return False
-    return True
 
 
 def run_seed(seed: int, config: SimConfig | None = None) -> dict[str, int]:

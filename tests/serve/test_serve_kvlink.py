@@ -328,7 +328,8 @@ class FakeWriter:
 
 
 @pytest.mark.parametrize(
-    "attack", ["unpublished_rid", "out_of_range", "partial_block", "oversized", "wrong_kind", "bad_magic"]
+    "attack",
+    ["unpublished_rid", "out_of_range", "partial_block", "oversized", "wrong_kind", "bad_magic", "bad_request_id"],
 )
 def test_hostile_writer_frames_close_the_connection_and_fail_only_its_destinations(attack):
     import threading
@@ -354,6 +355,8 @@ def test_hostile_writer_frames_close_the_connection_and_fail_only_its_destinatio
             writer.frame(kl.Kind.DATA, 91, 0, nbytes=1 << 30)
         elif attack == "wrong_kind":
             writer.frame(kl.Kind.PUBLISH, 91, 1)
+        elif attack == "bad_request_id":  # not a kvown request id: the fence could not hold it
+            writer.frame(kl.Kind.DATA, (1 << 64) - 1, 0, block)
         else:
             writer.conn.sendall(b"XX" + b"\0" * (kl.HEADER.size - 2))
         with pytest.raises(TransferFailed) as caught:

@@ -1,14 +1,8 @@
-"""The one class that moves a request's KV between the prefill and the decode server: ``KVLink``.
+"""``KVLink``: the loopback TCP reference implementation of the KV link protocol (``kvown.apps.serve.link``).
 
-Owns: every byte that crosses between two servers' KV caches, and the ownership of the blocks a server
-lends it. The server's ``BlockAllocator`` stays the only allocator: the server lends a request's blocks
-(``receive`` on the decode side, ``send`` on the prefill side) and the link gives them back through
-``on_returned(request_id, blocks, outcome)`` exactly once, when no transfer can touch them any more.
-
-This implementation is the loopback reference transport (one TCP connection per pair; why its proof
-is local): docs/design.md section 13.
-
-Wire format (header ``>2sBBQII``, the frame kinds): docs/design.md section 13.
+Owns: one TCP connection per (decode, prefill) pair and every byte on it, the blocks the server lent it
+meanwhile, and its fence (kvown's own ``CancellationFence``). Selected by ``kvown serve --link loopback``.
+Why its proof of quiescence is local, and its wire format: docs/design.md section 13 and section 15.
 
 Rules:
   1. Decode side: a destination is OWNED from ``receive`` until DONE (landed: the server may use it)
@@ -17,17 +11,15 @@ Rules:
      has exited. DONE and QUIESCED are each the last frame for their request on a connection.
   2. Prefill side: source blocks are read only by the sender thread and go back after the last frame
      for the request was written, after a publication deadline, or after ``abort_send``. A cancelled,
-     expired or aborted request id is fenced: a later PUBLISH is answered QUIESCED, a later ``send``
-     returns its blocks at once.
-  3. Untrusted bytes: every frame is size-capped before it is read and validated before any state
-     changes; a violation raises ``PeerProtocolError(field=...)`` on the reader, which closes the
-     connection (and with it, rule 1's proof for that connection's destinations).
-  4. ``on_returned`` runs on a link thread or the caller's thread, exactly once per lent set of
-     blocks; it must be quick and thread-safe (``BlockAllocator.give_back`` is).
+     expired or aborted request id is fenced for good: a later PUBLISH is answered QUIESCED, a later
+     ``send`` returns its blocks at once.
+  3. Untrusted bytes: every frame is size-capped before it is read and validated (its request id a
+     kvown id) before any state changes; a violation raises ``PeerProtocolError(field=...)`` on the
+     reader, which closes the connection (and with it, rule 1's proof for its destinations).
+  4. ``on_returned`` runs on a link thread or the caller's thread, exactly once per lent set.
 
 Invariants:
-  INV-LINK-1  No block is given back while a DATA frame for it may still be scattered (decode) or
-              gathered (prefill).
+  INV-LINK-1  No block is given back while a DATA frame for it may still be scattered or gathered.
   INV-LINK-2  ``statistics()['owned'] + ['held']`` is the number of decode-side blocks lent and not yet
               given back; ``['sending']`` the same on the prefill side.
   INV-LINK-3  A request id's ``landed`` future is resolved exactly once: aux bytes, or ``TransferFailed``.
@@ -43,21 +35,21 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import torch
 
-from kvown.core.errors import ConfigError, KvownError, LocalProtocolError, PeerProtocolError
+from kvown.apps.serve.link import KVMemory, RecvHandle, SendHandle, TransferFailed
+from kvown.core.errors import ConfigError, LocalProtocolError, PeerProtocolError
+from kvown.core.fence import CancellationFence, CancelOrigin
+from kvown.core.ids import is_valid_request_id
 
 MAGIC, VERSION = b"KL", 1
 HEADER = struct.Struct(">2sBBQII")
 MAX_HELLO_NBYTES = 16 << 10
 MAX_AUX_NBYTES = 64 << 10
 MAX_BLOCKS_PER_REQUEST = 1 << 16
-FENCE_CAPACITY = 1 << 16  # remembered fenced ids (oldest forgotten first); ids are never reused
 
 
 class Kind(enum.IntEnum):
@@ -79,58 +71,13 @@ class Reason(enum.IntEnum):
     CLOSING = 6
 
 
-class TransferFailed(KvownError):
-    """A destination will never land: ``reason`` says why (cancelled, writer_lost, writer_expired...)."""
-
-    reason: str
-
-    def __init__(self, reason: str, **fields: object) -> None:
-        super().__init__("KV transfer failed", reason=reason, **fields)
-
-
-class KVMemory(Protocol):
-    """What the link needs to know about the server's KV memory (``PagedKVCache`` provides it)."""
-
-    layers: list[torch.Tensor]  # the regions; block ids are shared by all of them
-    num_blocks: int
-    block_nbytes: int
-
-    def chunks(self, block: int) -> list[tuple[int, int, int]]: ...
-    def describe(self) -> dict[str, int | str]: ...
-
-
 @dataclass
-class RecvHandle:
-    """Decode side. ``landed`` resolves to the aux bytes, or raises ``TransferFailed``; ``returned`` is
-    set once the blocks went back to the server's allocator."""
+class _Send(SendHandle):
+    """A prefill-side send as this link tracks it: the connection it was paired with, if any."""
 
-    request_id: int
-    blocks: tuple[int, ...]
-    writer: str
-    landed: concurrent.futures.Future[bytes] = field(default_factory=concurrent.futures.Future)
-    returned: threading.Event = field(default_factory=threading.Event)
-    state: str = "owned"  # owned -> landed -> (gone) | owned -> held -> (gone)
-    outcome: str = ""
-
-    def __post_init__(self) -> None:
-        self.landed.set_running_or_notify_cancel()  # callers' cancel() cannot steal the result (INV-LINK-3)
-
-
-@dataclass
-class SendHandle:
-    """Prefill side. ``done`` resolves to the outcome once the source blocks went back."""
-
-    request_id: int
-    blocks: tuple[int, ...]
-    aux: bytes
-    deadline_s: float
-    done: concurrent.futures.Future[str] = field(default_factory=concurrent.futures.Future)
     conn: _Conn | None = None
     cancel: bool = False
     started: bool = False
-
-    def __post_init__(self) -> None:
-        self.done.set_running_or_notify_cancel()
 
 
 class _Conn:
@@ -212,10 +159,10 @@ class KVLink:
         self._dests: dict[int, RecvHandle] = {}
         self._writers: dict[str, _Conn] = {}
         # prefill side
-        self._sends: dict[int, SendHandle] = {}
+        self._sends: dict[int, _Send] = {}
         self._publications: dict[int, tuple[_Conn, int]] = {}
-        self._fenced: OrderedDict[int, None] = OrderedDict()
-        self._jobs: list[SendHandle] = []
+        self._fences = CancellationFence()  # kvown's own: a fenced id stays fenced (ids are never reused)
+        self._jobs: list[_Send] = []
         self._accepted: set[_Conn] = set()
         self._jobs_ready = threading.Condition(self._lock)
         self.counters = {
@@ -250,6 +197,8 @@ class KVLink:
         refused at the handshake), ``LocalProtocolError`` (the id is already in use here).
         """
         blocks = tuple(blocks)
+        if not is_valid_request_id(request_id):
+            raise LocalProtocolError("not a kvown request id", field="request_id", value=request_id)
         if not (0 < len(blocks) <= MAX_BLOCKS_PER_REQUEST):
             raise LocalProtocolError("a destination needs 1..65536 blocks", field="blocks", n=len(blocks))
         conn = self._writer_conn(writer)
@@ -444,14 +393,16 @@ class KVLink:
         After error: ``LocalProtocolError`` for a reused id or oversized aux; the blocks stay the caller's.
         """
         blocks = tuple(blocks)
+        if not is_valid_request_id(request_id):
+            raise LocalProtocolError("not a kvown request id", field="request_id", value=request_id)
         if len(aux) > MAX_AUX_NBYTES or not (0 < len(blocks) <= MAX_BLOCKS_PER_REQUEST):
             raise LocalProtocolError("bad send", field="aux" if len(aux) > MAX_AUX_NBYTES else "blocks")
-        handle = SendHandle(request_id, blocks, bytes(aux), time.monotonic() + self._publish_timeout_s)
+        handle = _Send(request_id, blocks, bytes(aux), time.monotonic() + self._publish_timeout_s)
         with self._lock:
             if request_id in self._sends:
                 raise LocalProtocolError("request id is already being sent", request_id=request_id)
             self._sends[request_id] = handle
-            if request_id in self._fenced:
+            if self._fences.is_fenced(request_id):
                 self._finish_send(handle, "cancelled")
             elif request_id in self._publications:
                 self._pair(handle, *self._publications.pop(request_id))
@@ -470,15 +421,13 @@ class KVLink:
             else:
                 handle.cancel = True
 
-    def _fence(self, rid: int) -> None:
-        self._fenced[rid] = None
-        while len(self._fenced) > FENCE_CAPACITY:
-            self._fenced.popitem(last=False)
+    def _fence(self, rid: int, origin: CancelOrigin = CancelOrigin.CLIENT) -> None:
+        self._fences.install(rid, origin)
 
-    def _pair(self, handle: SendHandle, conn: _Conn, num_blocks: int) -> None:
+    def _pair(self, handle: _Send, conn: _Conn, num_blocks: int) -> None:
         """Lock held. A send met its publication: queue it for the sender thread."""
         if num_blocks != len(handle.blocks):
-            self._fence(handle.request_id)
+            self._fence(handle.request_id, CancelOrigin.PEER)
             self._send_quiet(conn, handle.request_id, Reason.BAD_PUBLICATION)
             self._finish_send(handle, "failed")
             return
@@ -486,7 +435,7 @@ class KVLink:
         self._jobs.append(handle)
         self._jobs_ready.notify()
 
-    def _finish_send(self, handle: SendHandle, outcome: str) -> None:
+    def _finish_send(self, handle: _Send, outcome: str) -> None:
         """Lock held; only once no frame reads ``handle.blocks`` any more (INV-LINK-1)."""
         if self._sends.get(handle.request_id) is handle:
             del self._sends[handle.request_id]
@@ -516,7 +465,7 @@ class KVLink:
                     raise PeerProtocolError("publication block count out of range", field="arg", value=arg)
                 if rid in self._publications or (handle is not None and handle.conn is not None):
                     raise PeerProtocolError("request published twice", field="request_id", request_id=rid)
-                if rid in self._fenced:
+                if self._fences.is_fenced(rid):
                     self._send_quiet(conn, rid, Reason.FENCED)
                 elif handle is not None:
                     self._pair(handle, conn, arg)
@@ -529,7 +478,7 @@ class KVLink:
                         True  # the sender thread ends it with QUIESCED (or DONE if it just finished)
                     )
                     return
-                self._fence(rid)
+                self._fence(rid, CancelOrigin.PEER)
                 if handle is not None and handle.conn is None:
                     self._finish_send(handle, "cancelled")
                 if self._publications.get(rid, (None,))[0] is conn:
@@ -568,7 +517,7 @@ class KVLink:
                 handle.started = True
             self._transfer(handle)
 
-    def _transfer(self, handle: SendHandle) -> None:
+    def _transfer(self, handle: _Send) -> None:
         """Sender thread: the only reader of a send's source blocks (INV-LINK-1)."""
         conn, rid, outcome = handle.conn, handle.request_id, "completed"
         assert conn is not None
@@ -600,7 +549,7 @@ class KVLink:
         """Lock held. Sends nobody published in time go back (rule 2)."""
         now = time.monotonic()
         for handle in [h for h in self._sends.values() if h.conn is None and h.deadline_s <= now]:
-            self._fence(handle.request_id)
+            self._fence(handle.request_id, CancelOrigin.TIMEOUT)
             self._finish_send(handle, "expired")
 
     def _gather(self, blocks: Sequence[int]) -> bytes:
@@ -650,6 +599,8 @@ class KVLink:
             raise PeerProtocolError("not a kvlink frame", field="magic" if magic != MAGIC else "version")
         if kind not in Kind._value2member_map_:
             raise PeerProtocolError("unknown frame kind", field="kind", value=kind)
+        if not is_valid_request_id(rid):  # the fence takes kvown request ids only
+            raise PeerProtocolError("request id out of range", field="request_id", value=rid)
         limit = MAX_HELLO_NBYTES if handshake else max(self._chunk_blocks_cap(), MAX_AUX_NBYTES)
         if nbytes > limit:
             raise PeerProtocolError("frame too large", field="payload_nbytes", nbytes=nbytes, limit=limit)
@@ -754,4 +705,4 @@ class KVLink:
             conn.close()
 
 
-__all__ = ["KVLink", "KVMemory", "RecvHandle", "SendHandle", "TransferFailed"]
+__all__ = ["KVLink", "KVMemory", "RecvHandle", "SendHandle", "TransferFailed"]  # the handles: re-exported from link

@@ -2,7 +2,7 @@
 
 Owns: this server's kvown rank (``kvown.rank.connect_registry``: etcd discovery with leases, the
 server's own paged KV tensors as bring-your-own memory), the translation between the link interface
-the server uses (``kvown.apps.serve.kvlink.KVLink``: names, lent blocks, ``landed`` futures) and
+the server uses (``kvown.apps.serve.link.Link``: names, lent blocks, ``landed`` futures) and
 kvown's API (ranks, handles), and the publication timeout of the prefill side.
 
 Rules:
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvown.apps.serve.kvlink import KVMemory, RecvHandle, SendHandle, TransferFailed
+from kvown.apps.serve.link import KVMemory, RecvHandle, SendHandle, TransferFailed
 from kvown.cache.space import BlockSpace, Region
 from kvown.core.actions import Outcome
 from kvown.core.errors import KvownError, LocalProtocolError
@@ -52,7 +52,7 @@ def memory_space(memory: KVMemory) -> BlockSpace:
 
 
 class KvownLink:
-    """``KVLink``'s interface over kvown. ``role`` is "prefill" (sender) or "decode" (receiver)."""
+    """``Link`` (``kvown.apps.serve.link``) over kvown. ``role`` is "prefill" (sender) or "decode" (receiver)."""
 
     def __init__(
         self,
@@ -100,7 +100,7 @@ class KvownLink:
     # ---- decode side ----------------------------------------------------------------------------
 
     def receive(self, request_id: int, blocks: Sequence[int], writer: str) -> RecvHandle:
-        """Lend ``blocks`` and publish them to ``writer`` (rule 2). Raises as ``KVLink.receive``."""
+        """Lend ``blocks`` and publish them to ``writer`` (rule 2). Raises as ``Link.receive``."""
         rank = self._writer_rank(writer)
         handle = RecvHandle(request_id, tuple(blocks), writer)
         with self._lock:

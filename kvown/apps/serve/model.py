@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvown.apps.serve.protocol import ByteTokenizer
-from kvown.core.errors import ConfigError, LocalProtocolError
+from kvown.core.errors import ConfigError, LocalProtocolError, require_positive_ints
 
 __all__ = [
     "OUTPUT_IDS",
@@ -56,6 +56,8 @@ OUTPUT_IDS: tuple[int, ...] = (10, *range(32, 127))  # newline + printable ASCII
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The tiny model's shape and weight seed (``digest`` names the pair); ``block_size`` counts tokens."""
+
     vocab_size: int = 256
     d_model: int = 64
     num_layers: int = 2
@@ -73,17 +75,8 @@ class ModelConfig:
             raise ConfigError(
                 "num_heads must be a multiple of num_kv_heads", field="num_kv_heads", value=self.num_kv_heads
             )
-        for name in (
-            "d_model",
-            "num_layers",
-            "num_heads",
-            "head_dim",
-            "ffn_dim",
-            "max_model_len",
-            "block_size",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError("must be positive", field=name, value=getattr(self, name))
+        require_positive_ints(self, ("d_model", "num_layers", "num_heads", "head_dim", "ffn_dim", "max_model_len",
+                                     "block_size"))
         if self.vocab_size != 256:
             raise ConfigError(
                 "the byte tokenizer needs vocab_size 256", field="vocab_size", value=self.vocab_size

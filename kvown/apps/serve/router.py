@@ -199,14 +199,7 @@ class Router:
             try:
                 response = await self.client.send(upstream, stream=True)
             except httpx.HTTPError as error:
-                self.upstream_errors.labels("decode").inc()
-                await self._abort(prefill, request_id)
-                raise api.ApiError(
-                    502,
-                    f"decode server {decode.name} failed: {type(error).__name__}",
-                    kind="server_error",
-                    code="upstream_failed",
-                ) from None
+                raise await self._upstream_failed("decode", decode, prefill, request_id, error) from None
             if response.status_code != 200:
                 raw = await response.aread()
                 await response.aclose()
@@ -243,6 +236,15 @@ class Router:
             if not handed_over:
                 done_with_decode()
 
+    async def _upstream_failed(self, role: str, server: RankInfo, prefill: RankInfo, request_id: int,
+                               error: Exception) -> api.ApiError:
+        """A call to ``server`` (its ``role``) failed: count it, tell the prefill server to drop the source
+        blocks now, and return the 502 to raise."""
+        self.upstream_errors.labels(role).inc()
+        await self._abort(prefill, request_id)
+        return api.ApiError(502, f"{role} server {server.name} failed: {type(error).__name__}", kind="server_error",
+                            code="upstream_failed")
+
     def _detach(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -255,14 +257,7 @@ class Router:
                 f"http://{prefill.http}/internal/prefill", json={**job.to_json(), "request_id": request_id}
             )
         except httpx.HTTPError as error:
-            self.upstream_errors.labels("prefill").inc()
-            await self._abort(prefill, request_id)
-            raise api.ApiError(
-                502,
-                f"prefill server {prefill.name} failed: {type(error).__name__}",
-                kind="server_error",
-                code="upstream_failed",
-            ) from None
+            raise await self._upstream_failed("prefill", prefill, prefill, request_id, error) from None
         if r.status_code != 200:
             raise _as_api_error(r.status_code, r.content, prefill.name)
         try:

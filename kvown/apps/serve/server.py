@@ -1,7 +1,7 @@
 """The reference inference server: one process, one model, its own paged KV cache and block allocator.
 
 Owns: the HTTP app of a ``single``, ``prefill`` or ``decode`` server, its model thread, its
-``BlockAllocator`` (the only allocator of its KV blocks), its ``KVLink`` (prefill and decode roles),
+``BlockAllocator`` (the only allocator of its KV blocks), its KV link (``link.Link``; prefill and decode roles),
 its etcd registration and (decode) its view of the prefill servers.
 
 Endpoints (every role): ``POST /v1/completions`` runs a whole request here (prefill and decode in one
@@ -47,7 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvown.adapters.registry import PrefixWatcher
 from kvown.apps.serve.ranks import RankInfo, Registration, parse_rank_info
 from kvown.apps.serve import protocol as api
-from kvown.apps.serve.kvlink import KVLink, RecvHandle, TransferFailed
+from kvown.apps.serve.kvlink import KVLink
+from kvown.apps.serve.link import Link, RecvHandle, TransferFailed
 from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, PagedKVCache, TinyLM, sample
 from kvown.apps.serve.protocol import (
     ClosingStream,
@@ -123,7 +124,7 @@ class Server:
             min(config.max_prompt_tokens, config.model.max_model_len - 1),
         )
         self.started_ns = time.time_ns()
-        self.link: Any = None
+        self.link: Link | None = None
         if config.role != "single" and config.link == "kvown":
             from kvown.apps.serve.kvownlink import KvownLink
 

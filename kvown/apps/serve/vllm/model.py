@@ -25,7 +25,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvown.core.errors import ConfigError
+from kvown.core.errors import ConfigError, require_positive_ints
 
 WORDS = (  # noqa: SIM905 (one word list, easier to read as text)
     "the of and to in is was for on that with as by at from his her they this are an be or had not "
@@ -48,6 +48,8 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyConfig:
+    """The Llama shape written to ``config.json`` under Hugging Face's names, and the weights' seed."""
+
     vocab_size: int = 2048
     hidden_size: int = 256
     num_hidden_layers: int = 2
@@ -59,9 +61,7 @@ class TinyConfig:
     seed: int = 0
 
     def check(self) -> None:
-        for name, value in asdict(self).items():
-            if type(value) is not int or (value <= 0 and name != "seed") or value < 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        require_positive_ints(self, asdict(self), zero_ok=("seed",))
         if self.vocab_size < 256 + len(SPECIALS):
             raise ConfigError("vocab_size must hold the 256 byte tokens and the specials", field="vocab_size")
         if self.num_attention_heads % self.num_key_value_heads:
