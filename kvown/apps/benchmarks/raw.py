@@ -1,10 +1,18 @@
 """B0 / B1 of ``kvown bench world``: raw NIXL between a second pair of agents per rank, no protocol.
 
+The engine thread owns the runtime's agent, so each rank makes a second one here (``Raw``):
+  B0 raw NIXL   one WRITE + notification per session, one descriptor, no protocol. The receiver frees a
+                slot when it has counted the notification, and AT ONCE on cancel (unsafe).
+  B1 timeout    like B0, but a cancelled slot is held for a fixed ``--b1-timeout-s`` (vLLM/SGLang hold
+                cancelled KV for 30-480 s; scaled down here and reported).
+Yardsticks: the notification ping-pong RTT and one raw WRITE of each size (post -> DONE).
+
 Rules:
-  1. Both sides yield-poll like kvown's engine; the receiver frees a slot once it counted the
-     notification (B0) and, on cancel, at once (B0, unsafe) or after a fixed hold (B1).
+  1. Both sides yield-poll like kvown's engine (no NIXL progress thread).
   2. Rank 0 (``RX``) peers with every writer; a writer only with rank 0. Every wait is bounded by the
      run's deadline and raises ``BenchError`` past it.
+  3. Every barrier of a baseline phase progresses its agent (``soft_barrier(progress=pump)``): a
+     notification NIXL accepted leaves only while its sender is progressed (docs/design.md section 16).
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ class BenchError(RuntimeError):
     pass
 
 
-def soft_barrier(comm: Any, deadline: float) -> None:
-    """A barrier that sleeps (Open MPI's spins a core; this machine may have two)."""
+def soft_barrier(comm: Any, deadline: float, progress: Any = None) -> None:
+    """A barrier that sleeps (Open MPI's spins a core; this machine may have two). ``progress``: called
+    while waiting - a baseline's last notification may still sit in its agent's UCX until that agent
+    is progressed, and the peer it is for may be waiting for it before it reaches this barrier."""
     req = comm.Ibarrier()
     while not req.Test():
         if time.monotonic() > deadline:
             raise BenchError("barrier past the run deadline")
+        if progress is not None:
+            progress()
         time.sleep(1e-4)
 
 
@@ -122,7 +134,7 @@ class Raw:
     # -- yardsticks (rank 0 against writer 1)
 
     def rtt(self, iters: int, deadline: float) -> list[int]:
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         out = []
         if self.rank == RX:
             for i in range(iters + 100):
@@ -138,12 +150,12 @@ class Raw:
                 if msg == b"pend":
                     break
                 self.ep.send_notif(self.peers[RX], b"a" + msg[1:])
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         return out
 
     def write_latency(self, size: int, iters: int, deadline: float) -> list[int]:
         """Writer 1 -> rank 0, post -> DONE, one at a time (rank 0 keeps progressing)."""
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         out = []
         if self.rank == 1:
             for i in range(iters + 20):
@@ -154,13 +166,13 @@ class Raw:
             self.ep.send_notif(self.peers[RX], b"wend")
         elif self.rank == RX:
             self.take(b"wend", deadline)
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         return out
 
     # -- W1 (B0): window of sessions from writer 1
 
     def throughput(self, size: int, n: int, window: int, deadline: float) -> int:
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         t0 = time.perf_counter_ns()
         if self.rank == 1:
             live: collections.deque = collections.deque()
@@ -175,7 +187,7 @@ class Raw:
             for _ in range(n):
                 self.take(b"w", deadline)
         ns = time.perf_counter_ns() - t0
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         return ns
 
     # -- W2 (B0 / B1): one session at a time, cancel after a delay
@@ -184,7 +196,7 @@ class Raw:
                      deadline: float) -> dict[str, Any]:
         """Per session: rank 0 says go; writer 1 posts one WRITE(S) with a notification. A cancelled
         slot is freed ``hold_ns`` after the cancel (0: B0, at once; > 0: B1's timeout) and canaried."""
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         violations, freed = 0, []
         if self.rank == 1:
             for i in range(len(plan)):
@@ -213,7 +225,7 @@ class Raw:
                 violations += int(bool((slot != CANARY).any()))
                 self.take(b"w%d" % i, deadline)  # the writer's WRITE did finish; drop its notification
             self.ep.send_notif(self.peers[1], b"end")
-        soft_barrier(self.comm, deadline)
+        soft_barrier(self.comm, deadline, self.pump)
         return {"violations": violations, "freed_ns": freed}
 
 

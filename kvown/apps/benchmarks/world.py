@@ -1,45 +1,43 @@
 """W1 happy path, W2 cancellation sweep and W3 fan-in in one mpirun world, against B0 and B1.
 
 Run under ``mpirun -n 1+K``: rank 0 receives (generation), ranks 1..K write (context). One run, fixed
-seeds, the same pools throughout. Every figure is taken on rank 0's monotonic clock.
+seeds, the same pools throughout. Every figure is taken on rank 0's monotonic clock. The baselines
+(B0 raw NIXL, B1 timeout) live in ``raw.py``; the workloads in full: docs/design.md section 16.
 
-Baselines, in the same run, between a second pair of NIXL agents per rank that this benchmark makes
-(the engine thread owns the runtime's agent), both sides yield-polling like the engine:
-  B0 raw NIXL   one WRITE + notification per session, one descriptor, no protocol. The receiver frees a
-                slot when it has counted the notification, and AT ONCE on cancel (unsafe).
-  B1 timeout    like B0, but a cancelled slot is held for a fixed ``--b1-timeout-s`` (vLLM/SGLang hold
-                cancelled KV for 30-480 s; scaled down here and reported).
-Yardsticks, in the same run: the NIXL notification ping-pong RTT and one raw WRITE of each size
-(post -> DONE). The W2 bounds are ``p50 <= 3 RTT + WRITE(S)`` and ``p99 <= 10 RTT + WRITE(S)``.
+Workloads (one function each: ``run_w1``, ``run_w2``, ``run_w3``, after ``yardsticks``):
+  W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight, kvown vs B0, alternating repetitions:
+      throughput ratio; then release -> retired, one session at a time.
+  W2  cancel rates 0/10/50/90 %, 64 KiB .. 4 MiB, one session at a time, context-first, cancelled
+      after a seeded delay in [0, WRITE(S)]: cancel -> retired vs ``3 RTT + WRITE`` (p50) and
+      ``10 RTT + WRITE`` (p99); violations (a canary changed after the slot was given back) for
+      kvown, B0 and B1.
+  W3  fan-in: K = 1..(size-1) writers, head slice i of K each, 20 % cancelled.
 
-Workloads:
-  W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight: kvown (receive -> send -> landed -> release
-      -> retired) vs B0 (B1 is B0 on the happy path), alternating repetitions; throughput ratio on the
-      receiver clock; and release -> retired, one session at a time.
-  W2  cancel rates 0/10/50/90 %, sizes 64 KiB .. 4 MiB, one session at a time, context-first (the
-      sender opens first, so its WRITE is posted as the publication arrives); a cancelled session is
-      cancelled after a seeded delay uniform in [0, WRITE(S)] - while its WRITE is in flight. kvown:
-      cancel -> retired. Violations, the same way for kvown, B0 and B1: when a slot is freed (retired
-      / freed at once / after the timeout) rank 0 fills it with a canary, waits ``--settle`` x WRITE(S)
-      and checks it; a changed canary is a write that landed after the slot was given back.
-  W3  fan-in: K = 1..(size-1) writers, each writing head slice i of K of every block (prefill TP=K ->
-      decode TP=1), 20 % cancelled: cancel -> retired and throughput vs K.
+Rules:
+  1. Every wait is bounded: ``--deadline-s`` for the run; a session's waits by ``slow.py`` - a slow
+     session is counted and reported (``slow_sessions``), left out of the percentiles, never a crash.
+  2. When any rank saw a new slow session, every rank writes its flight recorder (``--flight-dir``);
+     run as a rank, SIGTERM (a peer's abort) makes each rank dump before it dies.
 
 Usage (the launcher builds this): ``mpirun -n 2 python -m kvown.apps.benchmarks.world --json out.json``.
-Every wait is bounded: ``--deadline-s`` for the run; a slow session is counted, never a crash (``slow.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import os
-import random
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+import signal
+
+if __name__ == "__main__":  # a rank of the world: SIGTERM blocked before any thread exists (open_bench)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -199,6 +197,19 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
 # ---------------------------------------------------------------------------------------- main
 
 
+class _PublicRecorder:
+    """What ``install_sigterm_dump`` needs of a recorder, through the public ``RankRuntime.flight_dump``."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+
+    def record(self, kind: str, request_id: int | None, **detail: Any) -> None:
+        pass  # the runtime's own ring is not ours to write
+
+    def dump(self, path_or_dir: str | None, reason: str) -> str:
+        return self.rt.flight_dump(path_or_dir, reason)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvown bench world", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="w1,w2,w3", help="comma list of w1, w2, w3")
@@ -223,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=900.0)
     ap.add_argument("--slow-s", type=float, default=1.0,
                     help="a session whose wait for an event is longer is slow: counted, reported, not timed")
+    ap.add_argument("--flight-dir", default=None, help="where slow-session and abort dumps go ($KVOWN_FLIGHT_DIR)")
+    ap.add_argument("--flight-capacity", type=int, default=4096, help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
@@ -263,6 +276,21 @@ class Bench:
     rng: random.Random = field(default_factory=random.Random)
     rids: Rids = field(default_factory=Rids)
     result: dict[str, Any] = field(default_factory=dict)
+    slow_dumped: int = 0  # slow sessions (all ranks) whose flight recorders were written already
+
+    def dump_if_slow(self) -> None:
+        """Collective, after a workload step: when any rank saw a new slow session, every rank writes
+        its flight recorder now (the ring still holds the slow session's events), for ``kvown inspect``."""
+        total = self.comm.allreduce(self.slow.count())
+        if total <= self.slow_dumped:
+            return
+        self.slow_dumped = total
+        folder = Path(self.args.flight_dir or os.environ.get("KVOWN_FLIGHT_DIR") or ".")
+        name = f"kvown-flight-rank{self.rank}-pid{os.getpid()}-slow{total}.jsonl"
+        path = self.rt.flight_dump(str(folder / name), f"slow_sessions: {total}")
+        dumps = self.comm.gather(path, root=RX)
+        if self.rank == RX:
+            self.result.setdefault("slow_session_dumps", []).extend(dumps)
 
     @property
     def show(self) -> bool:
@@ -305,9 +333,13 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
     levers = {"carry_results": False} if args.no_carry else {}
-    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, **levers)
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, flight_capacity=args.flight_capacity, **levers)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
                      device=args.device)
+    if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ()):  # run as a rank (see the top)
+        from kvown.runtime.failstop import install_sigterm_dump
+
+        install_sigterm_dump(_PublicRecorder(rt), dump_dir=args.flight_dir)  # a peer's abort: dump, then die
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
     raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device)
     if rank != RX:  # fixed, seeded source bytes (never the canary value)
@@ -354,6 +386,7 @@ def run_w1(b: Bench) -> None:
             for _ in range(args.reps):
                 row["raw_gbps"].append(n * s / raw.throughput(s, n, window, deadline))
                 k = kv_throughput(rt, comm, rank, b.rids.take(n), nb, window, deadline, b.slow)
+                b.dump_if_slow()
                 row["kvown_gbps"].append(n * s / k["ns"])  # wall clock: slow sessions included
                 row["not_completed"] += k["not_completed"]
                 row["dst_runs_per_session"] = k["dst_runs"] / n
@@ -370,6 +403,7 @@ def run_w1(b: Bench) -> None:
     plan = [(False, 0)] * (args.w2_sessions + args.warmup)
     rl = kv_sessions(rt, comm, rank, b.rids.take(len(plan)), 64 * KIB // b.block or 1, (1,), plan, 0, False,
                      deadline, b.slow, "w1", args.warmup)
+    b.dump_if_slow()
     w1: dict[str, Any] = {"throughput": rows}
     if rank == RX:
         w1["release_to_retired"] = pct(rl.get("release_to_retired_ns", []))
@@ -394,6 +428,7 @@ def run_w2(b: Bench) -> None:
                 plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
                 kv = kv_sessions(b.rt, comm, rank, b.rids.take(n), nb, (1,), plan, settle, True, b.deadline, b.slow,
                                  "w2", args.warmup)
+                b.dump_if_slow()
                 b0 = b.raw.cancel_sweep(s, plan[args.warmup:], 0, settle, b.deadline)
                 point: dict[str, Any] = {"size": s, "rate": rate, "sessions": n - args.warmup}
                 if rank == RX:
@@ -430,6 +465,7 @@ def run_w3(b: Bench) -> None:
             t0 = time.perf_counter_ns()
             kv = kv_sessions(b.rt, b.comm, rank, b.rids.take(n), args.w3_blocks, b.writers[:k], plan, 0, False,
                              b.deadline, b.slow, "w3")
+            b.dump_if_slow()
             wall = time.perf_counter_ns() - t0
             if rank == RX:
                 row = {"writers": k, "sessions": n, "blocks": args.w3_blocks,
