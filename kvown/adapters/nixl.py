@@ -71,9 +71,9 @@ from kvown.core.errors import AdapterError, LocalProtocolError
 # process and across two processes over tcp/lo; 1 MiB keeps a margin and still carries block tables of
 # hundreds of thousands of int32s.
 MAX_NOTIF_NBYTES = 1 << 20
-# close() keeps progressing the agent this long after the last send_notif: NIXL's genNotif returns
-# once UCX accepted a notification, which leaves only while the worker is progressed, and closing
-# cancels what is still in flight (docs/design.md section 16).
+# close() progresses the agent this long first when it ever sent a notification: NIXL's genNotif
+# returns once UCX accepted one, which leaves only while the worker is progressed, and closing cancels
+# what is still in flight (docs/design.md section 16).
 CLOSE_FLUSH_S = 0.05
 
 
@@ -335,7 +335,8 @@ def _status_of(text: Any) -> XferStatus | None:
 class NixlEndpoint:
     """One NIXL agent for one rank. See the module docstring for the rules."""
 
-    def __init__(self, name: str, *, progress_thread: bool = False, clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = False,
+                 clock: Callable[[], int] | None = None) -> None:
         """Create the agent with the UCX backend.
 
         Called: once per rank at startup, on the thread that will own the endpoint.
@@ -352,7 +353,7 @@ class NixlEndpoint:
         self._live: dict[int, XferHandle] = {}  # INV-NX-1: the root of every unreleased handle
         self._ids = itertools.count(1)
         self._closed = False
-        self._last_notif_ns: int | None = None  # when send_notif last returned (None: close needs no flush)
+        self._last_notif_ns: int | None = None  # when send_notif last returned (None: no flush at close)
         self._clock = clock or _monotonic_ns  # the flush's clock (a fake fabric passes its own)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:

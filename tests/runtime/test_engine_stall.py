@@ -36,7 +36,8 @@ def _run_engine(clock_steps_ns: list[int], turns: int) -> list[tuple[str, dict]]
     driver = SimpleNamespace(rank=0, fatal=None, recorder=recorder, step=step,
                              config=TransferConfig(spin_s=0.0, idle_sleep_s=0.0))
     ticks = itertools.accumulate(itertools.chain(clock_steps_ns, itertools.repeat(1_000)))
-    engine = Engine(driver, fail_stop=lambda action: None, clock=lambda: next(ticks))  # type: ignore[arg-type]
+    engine = Engine(driver, fail_stop=lambda action: None,  # type: ignore[arg-type]
+                    clock=lambda: next(ticks))
     engine.start()
     assert done.wait(10)
     engine.stop()
