@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,6 +41,14 @@ from kvown.core.errors import AdapterError, LocalProtocolError
 # process and across two processes over tcp/lo; 1 MiB keeps a margin and still carries block tables of
 # hundreds of thousands of int32s.
 MAX_NOTIF_NBYTES = 1 << 20
+# close() progresses the agent this long first when it ever sent a notification: NIXL's genNotif
+# returns once UCX accepted one, which leaves only while the worker is progressed, and closing cancels
+# what is still in flight (docs/design.md section 16).
+CLOSE_FLUSH_S = 0.05
+
+
+def _monotonic_ns() -> int:
+    return time.monotonic_ns()  # looked up per call, so a test's clock guard sees it
 
 _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side" in prep_xfer_dlist
 
@@ -296,7 +305,8 @@ def _status_of(text: Any) -> XferStatus | None:
 class NixlEndpoint:
     """One NIXL agent for one rank. See the module docstring for the rules."""
 
-    def __init__(self, name: str, *, progress_thread: bool = False) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = False,
+                 clock: Callable[[], int] | None = None) -> None:
         """Create the agent with the UCX backend.
 
         Called: once per rank at startup, on the thread that will own the endpoint.
@@ -313,6 +323,8 @@ class NixlEndpoint:
         self._live: dict[int, XferHandle] = {}  # INV-NX-1: the root of every unreleased handle
         self._ids = itertools.count(1)
         self._closed = False
+        self._last_notif_ns: int | None = None  # when send_notif last returned (None: no flush at close)
+        self._clock = clock or _monotonic_ns  # the flush's clock (a fake fabric passes its own)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:
         try:
@@ -706,6 +718,8 @@ class NixlEndpoint:
             self._agent.send_notif(peer, bytes(payload))
         except Exception as e:
             raise AdapterError("send_notif failed", cause=e, op="send_notif", peer=peer) from e
+        finally:  # accepted or not, it may be in flight in UCX until the worker is progressed
+            self._last_notif_ns = self._clock()
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
         """Return every pending notification, from all peers, as ``(sender agent name, payload)``.
@@ -726,8 +740,28 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------------ teardown
 
-    def close(self) -> None:
-        """Release prepped lists, drop peers, deregister memory and drop the agent. Idempotent.
+    def flush_notifs(self, flush_s: float = CLOSE_FLUSH_S) -> int:
+        """Progress the agent for ``flush_s`` if it ever sent a notification, so notifications NIXL
+        accepted but UCX has not sent yet leave before the peers are dropped (dropping a peer closes its
+        UCX endpoint, which cancels them: NIXL logs "UCX AM send failed with status -16" and loses the
+        frame). NIXL says nothing about what is still in flight, so the flush is timed, from now: a
+        sender that napped since its last send still holds what it held then. Bounded by ``flush_s``.
+        Returns how many notifications arrived meanwhile; they are discarded (the endpoint is closing).
+
+        Called: by ``close``, owner thread. After error: ``AdapterError(op="get_new_notifs")``.
+        """
+        if self._last_notif_ns is None or self._closed:
+            return 0
+        end_ns = self._clock() + int(flush_s * 1e9)
+        arrived = 0
+        while True:
+            arrived += len(self.drain_notifs())
+            if self._clock() >= end_ns:
+                return arrived
+
+    def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Flush notifications still in flight (``flush_notifs``), release prepped lists, drop peers,
+        deregister memory and drop the agent. Idempotent.
 
         Called: once at shutdown, owner thread.
         After error: ``LocalProtocolError`` while handles are live (INV-NX-3; the memory may still be
@@ -739,6 +773,10 @@ class NixlEndpoint:
             raise LocalProtocolError("close with live transfer handles", field="live_handles",
                                      live_handles=len(self._live), name=self._name)
         first: BaseException | None = None
+        try:
+            self.flush_notifs(flush_s)
+        except AdapterError as e:
+            first = e
         for prep in list(self._prepped):
             try:
                 self.release_prepped(prep)

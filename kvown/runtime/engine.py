@@ -32,6 +32,9 @@ from kvown.runtime.statistics import Statistics
 from kvown.runtime.view import RankView
 
 
+STALL_NS = 20_000_000  # a turn of the loop longer than this (and than 10 naps) is recorded as a stall
+
+
 class Engine:
     """The thread around one ``Driver``. Build it with ``kvown.rank``; start it with ``start()``."""
 
@@ -125,9 +128,14 @@ class Engine:
         try:
             spin_ns = int(driver.config.spin_s * 1e9)
             nap_s = driver.config.idle_sleep_s
-            last_progress_ns = self.clock()
+            late_ns = max(STALL_NS, 10 * int(nap_s * 1e9))  # a loop turn this long: the thread got no CPU
+            last_progress_ns = step_ns = self.clock()
             while not self._stop.is_set():
-                moved = driver.step(self.clock())
+                now_ns = self.clock()
+                if now_ns - step_ns > late_ns:  # evidence for the post-mortem: starved, not napping
+                    driver.recorder.record("engine_stall", None, gap_us=(now_ns - step_ns) // 1000)
+                step_ns = now_ns
+                moved = driver.step(now_ns)
                 if driver.fatal is not None:
                     return self._park()
                 if moved:

@@ -91,7 +91,11 @@ class WriteFault:
 @dataclass
 class NotifFault:
     """One injected notification behaviour: drop it, hide it from ``delay_drains`` drains, deliver it
-    twice, or make ``send_notif`` raise after delivering it (``raise_after``) or instead (``raise_before``)."""
+    twice, or make ``send_notif`` raise after delivering it (``raise_after``) or instead (``raise_before``).
+    ``in_flight``: NIXL's genNotif returned but UCX has not sent it: it leaves only when the *sender* is
+    progressed next (``get_new_notifs`` / ``check_xfer_state``: no progress thread), and dropping its
+    peer first (``remove_remote_agent``, what ``close`` does) cancels it - UCX completes it with
+    status -16, NIXL's callback only logs, the frame is lost (docs/design.md section 16)."""
 
     src: str | None = None
     dst: str | None = None
@@ -101,6 +105,7 @@ class NotifFault:
     dup: bool = False
     raise_after: bool = False
     raise_before: bool = False
+    in_flight: bool = False
 
 
 class _Xfer:
@@ -142,6 +147,11 @@ class FakeFabric:
         self._posted: list[_Xfer] = []  # WRITEs posted since the last take_posted() (for oracles)
         self._agents: dict[str, _FakeAgent] = {}
         self._ghosts: list[list[Any]] = []  # [ticks_left, _Xfer]: failed writes still to land
+        self.canceled_notifs = 0  # in-flight notifications canceled by dropping their peer (UCX -16)
+
+    def clock_ns(self) -> int:
+        """The fabric's own clock for the endpoints' bounded waits: every call on any agent is 1 ms."""
+        return self.ticks * 1_000_000
 
     def inject_write(self, fault: WriteFault) -> None:
         self.write_faults.append(fault)
@@ -250,6 +260,7 @@ class _FakeAgent:
         self.regions: dict[int, tuple[int, int, str]] = {}  # token -> (addr, nbytes, mem)
         self.peer_regions: dict[str, list[tuple[int, int]]] = {}
         self.inbox: list[list[Any]] = []
+        self.outbox: list[tuple[str, bytes, NotifFault]] = []  # accepted, not sent (NotifFault.in_flight)
         self._tokens = 0
 
     def _local_regions(self) -> list[tuple[int, int]]:
@@ -292,6 +303,15 @@ class _FakeAgent:
     def remove_remote_agent(self, name: str) -> None:
         self.fabric._tick()
         self.peer_regions.pop(name, None)
+        kept = [item for item in self.outbox if item[0] != name]
+        self.fabric.canceled_notifs += len(self.outbox) - len(kept)  # the UCX endpoint closed under them
+        self.outbox = kept
+
+    def _progress(self) -> None:
+        """What a progress call of the sender's UCX worker does for its accepted notifications."""
+        out, self.outbox = self.outbox, []
+        for peer, payload, fault in out:
+            self.fabric._deliver(self.name, peer, payload, fault)
 
     # -- descriptors and transfers
     def get_xfer_descs(self, descs: Any, mem: str) -> _Dlist:  # Nx3 array or list of 3-tuples
@@ -372,6 +392,7 @@ class _FakeAgent:
 
     def check_xfer_state(self, x: _Xfer) -> str:
         self.fabric._tick()
+        self._progress()
         if x.finished:
             return "DONE"
         f = x.fault
@@ -418,6 +439,9 @@ class _FakeAgent:
         fault = self.fabric._take_notif_fault(self.name, peer)
         if fault is not None and fault.raise_before:
             raise RuntimeError("NIXL_ERR_BACKEND: injected failure before sending the notification")
+        if fault is not None and fault.in_flight:
+            self.outbox.append((peer, bytes(payload), fault))
+            return
         self.fabric._deliver(self.name, peer, payload, fault)
         if fault is not None and fault.raise_after:
             raise RuntimeError("NIXL_ERR_BACKEND: injected failure after the notification left")
@@ -427,6 +451,7 @@ class _FakeAgent:
         if self.fabric.fail_get_notifs > 0:
             self.fabric.fail_get_notifs -= 1
             raise RuntimeError("NIXL_ERR_BACKEND: injected failure in getNotifs")
+        self._progress()
         out: dict[str, list[bytes]] = {}
         keep = []
         for item in self.inbox:
@@ -447,7 +472,7 @@ class FakeNixlEndpoint(NixlEndpoint):
 
     def __init__(self, name: str, *, fabric: FakeFabric, progress_thread: bool = False) -> None:
         self.fabric = fabric
-        super().__init__(name, progress_thread=progress_thread)
+        super().__init__(name, progress_thread=progress_thread, clock=fabric.clock_ns)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:
         if name in self.fabric._agents:

@@ -5,23 +5,13 @@ the fake library with ``--fake``) stepped by ONE thread, so every microsecond of
 counted once and nothing else runs in between. The drivers, cores, codec, transport, pool and API
 facades are the production ones; only the engine thread's loop is replaced by ``_step`` below.
 
-Measures:
-  engine    CPU time (``time.thread_time_ns``, its own cost subtracted) inside ``Driver.step`` per
-            session, per side; steps, control frames and messages per session; wall time per session.
-            Sessions of ``--blocks`` blocks with ``--window`` in flight: receive -> send -> landed ->
-            release -> retired, the W1 lifecycle. Toggles for the levers: ``--no-carry`` (the report
-            travels as a control frame after the DONE poll), ``--no-batch`` (one frame per message).
-  scale     per-session cost (both sides, CPU) of a probe of sessions run while N other sessions are
-            live on both ranks (published on the receiver, saved on the sender) and F ids are fenced
-            in both cores: at (N, F) = (100, 100) and at the top (10,000 live, 1,000,000 fences).
-            ``scale_cost_ratio`` = top / bottom (target <= 1.5).
-  fence     bytes per fenced id at 1,000,000 ids (``CancellationFence.nbytes``) and tracemalloc, and
-            lookup time, against TensorRT-LLM's ``dict[int, bool]`` (target <= 16 B/id).
-  w4        descriptor sweep: fixed bytes per session, 16..256 tokens per block (4 KiB per token in
-            the mini geometry), blocks contiguous (a fresh pool, as the allocator keeps them) or
-            scattered (every other block held by a dummy owner: one descriptor per block). kvown: CPU
-            per session, both sides; B0: raw NIXL posts of the same prepped lists and indices, post ->
-            DONE, in the same process.
+Parts (``--parts``; what each measures in full: docs/design.md section 16):
+  engine    CPU time inside ``Driver.step`` per session and side, W1 lifecycle (levers ``--no-carry``,
+            ``--no-batch``); steps, frames and messages per session.
+  scale     per-session cost at (100 live, 100 fences) vs (10,000 live, 1,000,000 fences):
+            ``scale_cost_ratio`` (target <= 1.5).
+  fence     bytes per fenced id at 1,000,000 ids and lookup time, vs a ``dict[int, bool]``.
+  w4        descriptor sweep, 16..256 tokens per block, contiguous vs scattered, kvown vs B0.
 
 Rules:
   1. Fixed seeds; a fresh pair per measurement; warm-up sessions are not counted.

@@ -74,6 +74,9 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
             m[f"w2_{key}"] = w2[key]
     if "notif_rtt" in world:
         m["notif_rtt_p50_us"] = world["notif_rtt"]["p50_us"]
+    slow = [r["slow_sessions"]["count"] for r in {id(world): world, id(fanin): fanin}.values() if "slow_sessions" in r]
+    if slow:
+        m["slow_sessions"] = sum(slow)  # counted and reported (kvown.apps.benchmarks.slow), never a crash
     if "engine" in cost:
         e = cost["engine"]
         m["engine_cpu_us_per_session"] = e["max_side_cpu_us"]

@@ -1,44 +1,43 @@
 """W1 happy path, W2 cancellation sweep and W3 fan-in in one mpirun world, against B0 and B1.
 
 Run under ``mpirun -n 1+K``: rank 0 receives (generation), ranks 1..K write (context). One run, fixed
-seeds, the same pools throughout. Every figure is taken on rank 0's monotonic clock.
+seeds, the same pools throughout. Every figure is taken on rank 0's monotonic clock. The baselines
+(B0 raw NIXL, B1 timeout) live in ``raw.py``; the workloads in full: docs/design.md section 16.
 
-Baselines, in the same run, between a second pair of NIXL agents per rank that this benchmark makes
-(the engine thread owns the runtime's agent), both sides yield-polling like the engine:
-  B0 raw NIXL   one WRITE + notification per session, one descriptor, no protocol. The receiver frees a
-                slot when it has counted the notification, and AT ONCE on cancel (unsafe).
-  B1 timeout    like B0, but a cancelled slot is held for a fixed ``--b1-timeout-s`` (vLLM/SGLang hold
-                cancelled KV for 30-480 s; scaled down here and reported).
-Yardsticks, in the same run: the NIXL notification ping-pong RTT and one raw WRITE of each size
-(post -> DONE). The W2 bounds are ``p50 <= 3 RTT + WRITE(S)`` and ``p99 <= 10 RTT + WRITE(S)``.
+Workloads (one function each: ``run_w1``, ``run_w2``, ``run_w3``, after ``yardsticks``):
+  W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight, kvown vs B0, alternating repetitions:
+      throughput ratio; then release -> retired, one session at a time.
+  W2  cancel rates 0/10/50/90 %, 64 KiB .. 4 MiB, one session at a time, context-first, cancelled
+      after a seeded delay in [0, WRITE(S)]: cancel -> retired vs ``3 RTT + WRITE`` (p50) and
+      ``10 RTT + WRITE`` (p99); violations (a canary changed after the slot was given back) for
+      kvown, B0 and B1.
+  W3  fan-in: K = 1..(size-1) writers, head slice i of K each, 20 % cancelled.
 
-Workloads:
-  W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight: kvown (receive -> send -> landed -> release
-      -> retired) vs B0 (B1 is B0 on the happy path), alternating repetitions; throughput ratio on the
-      receiver clock; and release -> retired, one session at a time.
-  W2  cancel rates 0/10/50/90 %, sizes 64 KiB .. 4 MiB, one session at a time, context-first (the
-      sender opens first, so its WRITE is posted as the publication arrives); a cancelled session is
-      cancelled after a seeded delay uniform in [0, WRITE(S)] - while its WRITE is in flight. kvown:
-      cancel -> retired. Violations, the same way for kvown, B0 and B1: when a slot is freed (retired
-      / freed at once / after the timeout) rank 0 fills it with a canary, waits ``--settle`` x WRITE(S)
-      and checks it; a changed canary is a write that landed after the slot was given back.
-  W3  fan-in: K = 1..(size-1) writers, each writing head slice i of K of every block (prefill TP=K ->
-      decode TP=1), 20 % cancelled: cancel -> retired and throughput vs K.
+Rules:
+  1. Every wait is bounded: ``--deadline-s`` for the run; a session's waits by ``slow.py`` - a slow
+     session is counted and reported (``slow_sessions``), left out of the percentiles, never a crash.
+  2. When any rank saw a new slow session, every rank writes its flight recorder (``--flight-dir``);
+     run as a rank, SIGTERM (a peer's abort) makes each rank dump before it dies.
 
 Usage (the launcher builds this): ``mpirun -n 2 python -m kvown.apps.benchmarks.world --json out.json``.
-Every wait is bounded (``--deadline-s`` for the run, 10 s per event).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
-import os
-import random
-import sys
-import time
-from pathlib import Path
-from typing import Any
+import signal
+
+if __name__ == "__main__":  # a rank of the world: SIGTERM blocked before any thread exists (open_bench)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -46,56 +45,11 @@ import numpy as np  # noqa: E402
 
 from kvown.apps.benchmarks.common import KIB, MIB, cdf, environment, pct, plot_figure, progress, save, size_name  # noqa: E402
 from kvown.apps.benchmarks.common import write_json  # noqa: E402
+from kvown.apps.benchmarks.raw import CANARY, RX, BenchError, Raw, soft_barrier, soft_recv  # noqa: E402
+from kvown.apps.benchmarks.raw import spin_until_ns, sync_device  # noqa: E402
+from kvown.apps.benchmarks.slow import SlowSessions  # noqa: E402
 
-RX = 0
-EVENT_WAIT_S = 10.0
 TAG_OPENED = 11
-CANARY = 0xA5
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-# ---------------------------------------------------------------------------------------- helpers
-
-
-def soft_barrier(comm: Any, deadline: float) -> None:
-    """A barrier that sleeps (Open MPI's spins a core; this machine may have two)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise BenchError("barrier past the run deadline")
-        time.sleep(1e-4)
-
-
-def soft_recv(comm: Any, source: int, tag: int, deadline: float) -> Any:
-    req = comm.irecv(source=source, tag=tag)
-    while True:
-        done, value = req.test()
-        if done:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError("receive past the run deadline")
-        time.sleep(2e-5)
-
-
-def wait_event(ev: Any, what: str) -> None:
-    if not ev.wait(EVENT_WAIT_S):
-        raise BenchError(f"{what} did not happen within {EVENT_WAIT_S} s")
-
-
-def spin_until_ns(t_ns: int) -> None:
-    while time.monotonic_ns() < t_ns:
-        os.sched_yield()
-
-
-def _sync(t: Any) -> None:
-    """Wait for the fills on a CUDA tensor (the canary must be in memory before anyone may write)."""
-    if t.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(t.device)
 
 
 def runs_of(blocks: tuple[int, ...]) -> int:
@@ -115,176 +69,11 @@ class Rids:
         self.seq += n
         return out
 
-
-# ---------------------------------------------------------------------------------------- B0 / B1
-
-
-class Raw:
-    """A second NixlEndpoint and buffer per rank for the baselines; rank 0 peers with every writer."""
-
-    def __init__(self, comm: Any, rank: int, nbytes: int, tag: str, device: str = "cpu") -> None:
-        import torch
-
-        from kvown.adapters.nixl import MemKind, NixlEndpoint
-
-        self.comm, self.rank = comm, rank
-        self.buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8, device=device)
-        self.mem = MemKind.VRAM if self.buf.device.type == "cuda" else MemKind.DRAM
-        self.device_id = self.buf.device.index or 0
-        self.ep = NixlEndpoint(f"bench-raw-{tag}-r{rank}")
-        self.ep.register_tensor(self.buf)
-        info = comm.allgather((self.ep.metadata(), self.buf.data_ptr()))
-        self.peers: dict[int, str] = {}
-        self.remote_addr: dict[int, int] = {}
-        for other, (md, addr) in enumerate(info):
-            if other != rank and (rank == RX or other == RX):
-                self.peers[other] = self.ep.add_peer(md)
-                self.remote_addr[other] = int(addr)
-        self.rank_of = {name: r for r, name in self.peers.items()}
-        self.addr = self.buf.data_ptr()
-        self.inbox: collections.deque = collections.deque()
-
-    def post(self, dst: int, src_off: int, dst_off: int, nbytes: int, notif: bytes | None) -> Any:
-        return self.ep.post_write(self.peers[dst], [(self.addr + src_off, nbytes)],
-                                  [(self.remote_addr[dst] + dst_off, nbytes)], self.mem, self.mem, notif=notif,
-                                  device_id=self.device_id, remote_device_id=self.device_id)
-
-    def wait_done(self, handle: Any, deadline: float) -> None:
-        from kvown.adapters.nixl import XferStatus
-
-        while True:
-            status = self.ep.poll(handle)
-            if status is XferStatus.DONE:
-                self.ep.release(handle)
-                return
-            if status is XferStatus.ERROR or time.monotonic() > deadline:
-                raise BenchError(f"raw WRITE ended {status}: {handle.error}")
-            self.pump()
-            os.sched_yield()
-
-    def pump(self) -> int:
-        got = self.ep.drain_notifs()
-        self.inbox.extend((self.rank_of.get(a), m) for a, m in got)
-        return len(got)
-
-    def take(self, prefix: bytes, deadline: float) -> tuple[int | None, bytes]:
-        """The next notification starting with ``prefix`` (others stay queued)."""
-        while True:
-            for i, (src, msg) in enumerate(self.inbox):
-                if msg.startswith(prefix):
-                    del self.inbox[i]
-                    return src, msg
-            if not self.pump():
-                os.sched_yield()
-            if time.monotonic() > deadline:
-                raise BenchError(f"raw: no {prefix!r} notification before the deadline")
-
-    def close(self) -> None:
-        self.ep.close()
-
-    # -- yardsticks (rank 0 against writer 1)
-
-    def rtt(self, iters: int, deadline: float) -> list[int]:
-        soft_barrier(self.comm, deadline)
-        out = []
-        if self.rank == RX:
-            for i in range(iters + 100):
-                t0 = time.perf_counter_ns()
-                self.ep.send_notif(self.peers[1], b"p%d" % i)
-                self.take(b"a%d" % i, deadline)
-                if i >= 100:
-                    out.append(time.perf_counter_ns() - t0)
-            self.ep.send_notif(self.peers[1], b"pend")
-        elif self.rank == 1:
-            while True:
-                _, msg = self.take(b"p", deadline)
-                if msg == b"pend":
-                    break
-                self.ep.send_notif(self.peers[RX], b"a" + msg[1:])
-        soft_barrier(self.comm, deadline)
-        return out
-
-    def write_latency(self, size: int, iters: int, deadline: float) -> list[int]:
-        """Writer 1 -> rank 0, post -> DONE, one at a time (rank 0 keeps progressing)."""
-        soft_barrier(self.comm, deadline)
-        out = []
-        if self.rank == 1:
-            for i in range(iters + 20):
-                t0 = time.perf_counter_ns()
-                self.wait_done(self.post(RX, 0, 0, size, None), deadline)
-                if i >= 20:
-                    out.append(time.perf_counter_ns() - t0)
-            self.ep.send_notif(self.peers[RX], b"wend")
-        elif self.rank == RX:
-            self.take(b"wend", deadline)
-        soft_barrier(self.comm, deadline)
-        return out
-
-    # -- W1 (B0): window of sessions from writer 1
-
-    def throughput(self, size: int, n: int, window: int, deadline: float) -> int:
-        soft_barrier(self.comm, deadline)
-        t0 = time.perf_counter_ns()
-        if self.rank == 1:
-            live: collections.deque = collections.deque()
-            for i in range(n):
-                if len(live) == window:
-                    self.wait_done(live.popleft(), deadline)
-                slot = (i % window) * size
-                live.append(self.post(RX, slot, slot, size, b"w%d" % i))
-            while live:
-                self.wait_done(live.popleft(), deadline)
-        elif self.rank == RX:
-            for _ in range(n):
-                self.take(b"w", deadline)
-        ns = time.perf_counter_ns() - t0
-        soft_barrier(self.comm, deadline)
-        return ns
-
-    # -- W2 (B0 / B1): one session at a time, cancel after a delay
-
-    def cancel_sweep(self, size: int, plan: list[tuple[bool, int]], hold_ns: int, settle_ns: int,
-                     deadline: float) -> dict[str, Any]:
-        """Per session: rank 0 says go; writer 1 posts one WRITE(S) with a notification. A cancelled
-        slot is freed ``hold_ns`` after the cancel (0: B0, at once; > 0: B1's timeout) and canaried."""
-        soft_barrier(self.comm, deadline)
-        violations, freed = 0, []
-        if self.rank == 1:
-            for i in range(len(plan)):
-                self.take(b"go", deadline)
-                self.wait_done(self.post(RX, 0, 0, size, b"w%d" % i), deadline)
-            self.take(b"end", deadline)
-        elif self.rank == RX:
-            slot = self.buf[:size]
-            for i, (cancel, delay_ns) in enumerate(plan):
-                t_go = time.monotonic_ns()
-                self.ep.send_notif(self.peers[1], b"go")
-                if not cancel:
-                    self.take(b"w%d" % i, deadline)
-                    continue
-                spin_until_ns(t_go + delay_ns)
-                t_cancel = time.monotonic_ns()
-                if hold_ns:
-                    spin_until_ns(t_cancel + hold_ns)
-                slot.fill_(CANARY)  # the slot is free again: the next request may use it
-                _sync(slot)
-                freed.append(time.monotonic_ns() - t_cancel)
-                end = time.monotonic_ns() + settle_ns
-                while time.monotonic_ns() < end:  # let a late write land (and keep progressing)
-                    self.pump()
-                    os.sched_yield()
-                violations += int(bool((slot != CANARY).any()))
-                self.take(b"w%d" % i, deadline)  # the writer's WRITE did finish; drop its notification
-            self.ep.send_notif(self.peers[1], b"end")
-        soft_barrier(self.comm, deadline)
-        return {"violations": violations, "freed_ns": freed}
-
-
 # ---------------------------------------------------------------------------------------- kvown
 
 
 def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
-                  bar: Any = None) -> dict[str, Any]:
+                  slow: SlowSessions, bar: Any = None) -> dict[str, Any]:
     from kvown import Outcome
 
     soft_barrier(comm, deadline)
@@ -295,13 +84,13 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
         for i, rid in enumerate(rids):
             if len(live) == window:
                 h = live.popleft()
-                wait_event(h.released, "sender released")
+                slow.wait("w1", h.request_id, "sender released", h.released)
                 bad += h.outcome.result(1) is not Outcome.COMPLETED
             slot = i % window
             live.append(rt.sender.send(rid, range(slot * nb, (slot + 1) * nb)))
         while live:
             h = live.popleft()
-            wait_event(h.released, "sender released")
+            slow.wait("w1", h.request_id, "sender released", h.released)
             bad += h.outcome.result(1) is not Outcome.COMPLETED
     elif rank == RX:
         receiver = rt.receiver
@@ -316,7 +105,7 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
                 live.append(h)
             if live:
                 h = live.popleft()
-                wait_event(h.landed, "landed")
+                slow.wait("w1", h.request_id, "landed", h.landed, instead=h.retired)
                 receiver.release(h.request_id)
                 rel.append(h)
             while rel and rel[0].retired.is_set():
@@ -327,7 +116,7 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
                     bar.update(1)
             if rel and not live and (not todo or len(rel) >= window):
                 h = rel.popleft()
-                wait_event(h.retired, "retired")
+                slow.wait("w1", h.request_id, "retired", h.retired)
                 bad += h.outcome.result(1) is not Outcome.COMPLETED
                 done += 1
                 if bar is not None:
@@ -336,14 +125,16 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
                 raise BenchError("kvown throughput past the run deadline")
     ns = time.perf_counter_ns() - t0
     soft_barrier(comm, deadline)
-    return {"ns": ns, "not_completed": bad, "dst_runs": runs}
+    return {"ns": ns, "not_completed": bad, "dst_runs": runs, "slow_sessions": slow.count("w1")}
 
 
 def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers: tuple[int, ...],
                 plan: list[tuple[bool, int]], settle_ns: int, canary: bool, deadline: float,
-                bar: Any = None) -> dict[str, Any]:
+                slow: SlowSessions, workload: str, warmup: int = 0, bar: Any = None) -> dict[str, Any]:
     """One session at a time, context-first. ``plan[i] = (cancel, delay_ns)``; not cancelled means
-    landed -> release. Rank 0 canaries every retired destination and checks it after ``settle_ns``."""
+    landed -> release. Rank 0 canaries every retired destination and checks it after ``settle_ns``.
+    The latency lists (``*_ns``) leave out the first ``warmup`` sessions and every slow one
+    (``kvown.apps.benchmarks.slow``: counted in ``slow_sessions``, not timed)."""
     soft_barrier(comm, deadline)
     k = len(writers)
     out: dict[str, Any] = collections.defaultdict(list)
@@ -353,7 +144,7 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
         for i, rid in enumerate(rids):
             h = sender.send(rid, range(nb))
             req = comm.isend(i, dest=RX, tag=TAG_OPENED)  # context-first: opened before publication
-            wait_event(h.released, "sender released")
+            slow.wait(workload, rid, "sender released", h.released)
             outcomes[h.outcome.result(1).value] += 1
             req.wait()
             if time.monotonic() > deadline:
@@ -373,23 +164,24 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
                 t_decide = time.monotonic_ns()
                 receiver.cancel(rid)
             else:
-                wait_event(h.landed, "landed")
+                slow.wait(workload, rid, "landed", h.landed, instead=h.retired)
                 t_decide = time.monotonic_ns()
                 receiver.release(rid)
-            wait_event(h.retired, "retired")
+            slow.wait(workload, rid, "retired", h.retired)
             outcome = h.outcome.result(1).value
             outcomes[outcome] += 1
             key = "cancel" if cancel else "release"
-            out[f"{key}_to_retired_ns"].append(h.retired_ns - t_decide)
             if cancel and h.landed_ns:
                 out["landed_before_cancel"].append(1)
-            if not cancel and h.landed_ns:
-                out["publish_to_landed_ns"].append(h.landed_ns - h.opened_ns)
+            if i >= warmup and not slow.is_slow(rid):  # a slow session is counted, not timed (slow.py rule 1)
+                out[f"{key}_to_retired_ns"].append(h.retired_ns - t_decide)
+                if not cancel and h.landed_ns:
+                    out["publish_to_landed_ns"].append(h.landed_ns - h.opened_ns)
             if canary:  # the blocks are FREE: nobody may write them any more
                 spans = [pool[b * block : (b + 1) * block] for b in h.blocks]
                 for span in spans:
                     span.fill_(CANARY)
-                _sync(pool)
+                sync_device(pool)
                 end = time.monotonic_ns() + settle_ns
                 while time.monotonic_ns() < end:
                     os.sched_yield()
@@ -398,14 +190,27 @@ def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers
                 bar.update(1)
         out["violations"] = violations
     out["outcomes"] = dict(outcomes)
+    out["slow_sessions"] = sum(1 for rid in rids if slow.is_slow(rid))
     soft_barrier(comm, deadline)
     return dict(out)
-
 
 # ---------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+class _PublicRecorder:
+    """What ``install_sigterm_dump`` needs of a recorder, through the public ``RankRuntime.flight_dump``."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+
+    def record(self, kind: str, request_id: int | None, **detail: Any) -> None:
+        pass  # the runtime's own ring is not ours to write
+
+    def dump(self, path_or_dir: str | None, reason: str) -> str:
+        return self.rt.flight_dump(path_or_dir, reason)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvown bench world", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="w1,w2,w3", help="comma list of w1, w2, w3")
     ap.add_argument("--seed", type=int, default=1)
@@ -427,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                          "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--deadline-s", type=float, default=900.0)
+    ap.add_argument("--slow-s", type=float, default=1.0,
+                    help="a session whose wait for an event is longer is slow: counted, reported, not timed")
+    ap.add_argument("--flight-dir", default=None, help="where slow-session and abort dumps go ($KVOWN_FLIGHT_DIR)")
+    ap.add_argument("--flight-capacity", type=int, default=4096, help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
@@ -445,37 +254,92 @@ def main(argv: list[str] | None = None) -> int:
         args.reps, args.w1_bytes, args.w2_sessions, args.w3_sessions, args.b1_sessions = 1, 8 * MIB, 20, 10, 2
         args.rtt_iters, args.warmup, args.w1_sizes, args.w2_sizes = 200, 5, "64K,1M,4M", "64K,1M"
         args.w2_rates = "0,50"
+    return args
 
+
+@dataclass
+class Bench:
+    """One rank's share of the run: what every workload reads (built by ``open_bench``)."""
+
+    args: argparse.Namespace
+    comm: Any
+    rank: int
+    writers: tuple[int, ...]
+    block: int
+    w1_sizes: list[int]
+    w2_sizes: list[int]
+    rt: Any
+    raw: Raw
+    slow: SlowSessions
+    deadline: float
+    t_start: float
+    rng: random.Random = field(default_factory=random.Random)
+    rids: Rids = field(default_factory=Rids)
+    result: dict[str, Any] = field(default_factory=dict)
+    slow_dumped: int = 0  # slow sessions (all ranks) whose flight recorders were written already
+
+    def dump_if_slow(self) -> None:
+        """Collective, after a workload step: when any rank saw a new slow session, every rank writes
+        its flight recorder now (the ring still holds the slow session's events), for ``kvown inspect``."""
+        total = self.comm.allreduce(self.slow.count())
+        if total <= self.slow_dumped:
+            return
+        self.slow_dumped = total
+        folder = Path(self.args.flight_dir or os.environ.get("KVOWN_FLIGHT_DIR") or ".")
+        name = f"kvown-flight-rank{self.rank}-pid{os.getpid()}-slow{total}.jsonl"
+        path = self.rt.flight_dump(str(folder / name), f"slow_sessions: {total}")
+        dumps = self.comm.gather(path, root=RX)
+        if self.rank == RX:
+            self.result.setdefault("slow_session_dumps", []).extend(dumps)
+
+    @property
+    def show(self) -> bool:
+        return bool(self.args.progress and self.rank == RX)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from mpi4py import MPI
 
-    from kvown import KVLayout, TransferConfig, connect_mpi
-
     comm = MPI.COMM_WORLD
-    size, rank = comm.Get_size(), comm.Get_rank()
-    if size < 2:
+    if comm.Get_size() < 2:
         print("kvown bench world: run under mpirun -n 2 (or more: writers for W3)", file=sys.stderr)
         return 2
+    b = open_bench(args, comm)
     workloads = set(args.workloads.split(","))
-    writers = tuple(range(1, size))
+    yardsticks(b)
+    for name, run in (("w1", run_w1), ("w2", run_w2), ("w3", run_w3)):
+        if name in workloads:
+            run(b)
+    finish(b)
+    return 0
+
+
+def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
+    """Connect the runtime and the raw baseline's agents; fill the writers' seeded source bytes."""
+    from kvown import KVLayout, TransferConfig, connect_mpi
+
+    size, rank = comm.Get_size(), comm.Get_rank()
     heads = args.kv_heads or (2 if size <= 3 else 6)  # W3 slices heads among K writers: 6 divides by 1, 2, 3
     w1_sizes = [_parse_size(s) for s in args.w1_sizes.split(",")]
     w2_sizes = [_parse_size(s) for s in args.w2_sizes.split(",")]
     t_start = time.monotonic()
-    deadline = t_start + args.deadline_s
-    rng = random.Random(args.seed)
     window = args.window
-    tokens = args.tokens
-    geometry = dict(num_layers=args.layers, tokens_per_block=tokens, num_kv_heads=heads, head_dim=args.head_dim,
-                    dtype="bfloat16")
+    geometry = dict(num_layers=args.layers, tokens_per_block=args.tokens, num_kv_heads=heads,
+                    head_dim=args.head_dim, dtype="bfloat16")
     block = KVLayout.standard(num_blocks=1, **geometry).block_nbytes
     w1_sizes = sorted({max(block, s // block * block) for s in w1_sizes})  # whole blocks
     w2_sizes = sorted({max(block, s // block * block) for s in w2_sizes})
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
     levers = {"carry_results": False} if args.no_carry else {}
-    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, **levers)
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, flight_capacity=args.flight_capacity, **levers)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
                      device=args.device)
+    if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ()):  # run as a rank (see the top)
+        from kvown.runtime.failstop import install_sigterm_dump
+
+        install_sigterm_dump(_PublicRecorder(rt), dump_dir=args.flight_dir)  # a peer's abort: dump, then die
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
     raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device)
     if rank != RX:  # fixed, seeded source bytes (never the canary value)
@@ -486,142 +350,163 @@ def main(argv: list[str] | None = None) -> int:
         src.copy_(torch.randint(0, 255, (src.numel(),), generator=g, dtype=torch.uint8).to(src.device))
         src[src == CANARY] = 0
         raw.buf.fill_((rank * 37) % 251 + 1)
-        _sync(src)
-    rids = Rids()
-    show = args.progress and rank == RX
+        sync_device(src)
+    # a wait past --slow-s marks its session slow; only one past kvown's deadline + grace (+ 5 s) raises
+    slow = SlowSessions(args.slow_s, config.transfer_timeout_s + (config.grace_s or config.transfer_timeout_s) + 5)
     result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
                               "heads": heads, "engine_spin_s": config.spin_s,
                               "carry_results": getattr(config, "carry_results", False),
                               "engine_idle_sleep_s": config.idle_sleep_s,
                               "args": {k: str(v) for k, v in vars(args).items()}}
+    return Bench(args, comm, rank, tuple(range(1, size)), block, w1_sizes, w2_sizes, rt, raw, slow,
+                 t_start + args.deadline_s, t_start, random.Random(args.seed), Rids(), result)
 
-    # ---- yardsticks
-    rtt = raw.rtt(args.rtt_iters, deadline)
-    yard_sizes = sorted(set(w2_sizes) | {s for s in (64 * KIB, MIB, 4 * MIB) if s % block == 0 or s < block})
-    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), deadline) for s in yard_sizes}
+
+def yardsticks(b: Bench) -> None:
+    """The notification RTT and one raw WRITE of each size (post -> DONE), before any workload."""
+    args, comm, rank, raw, result = b.args, b.comm, b.rank, b.raw, b.result
+    rtt = raw.rtt(args.rtt_iters, b.deadline)
+    yard_sizes = sorted(set(b.w2_sizes) | {s for s in (64 * KIB, MIB, 4 * MIB) if s % b.block == 0 or s < b.block})
+    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), b.deadline) for s in yard_sizes}
     yard = comm.bcast({"notif_rtt": pct(rtt) if rank == RX else None} if rank == RX else None, root=RX)
     writes = comm.bcast({str(s): pct(v) for s, v in write_ns.items()} if rank == 1 else None, root=1)
     result["notif_rtt"], result["raw_write"] = yard["notif_rtt"], writes
-    rtt_us = result["notif_rtt"]["p50_us"]
 
-    # ---- W1
-    if "w1" in workloads:
-        rows = []
-        with progress(len(w1_sizes) * args.reps, "W1 happy path", show) as bar:
-            for s in w1_sizes:
-                nb = s // block
-                n = int(min(1000, max(32, args.w1_bytes // s)))
-                row: dict[str, Any] = {"size": s, "sessions": n, "raw_gbps": [], "kvown_gbps": [], "not_completed": 0}
-                kv_throughput(rt, comm, rank, rids.take(min(n, 16)), nb, window, deadline)  # warm-up
-                for _ in range(args.reps):
-                    row["raw_gbps"].append(n * s / raw.throughput(s, n, window, deadline))
-                    k = kv_throughput(rt, comm, rank, rids.take(n), nb, window, deadline)
-                    row["kvown_gbps"].append(n * s / k["ns"])
-                    row["not_completed"] += k["not_completed"]
-                    row["dst_runs_per_session"] = k["dst_runs"] / n
-                    bar.update(1)
-                if rank == RX:
-                    row["raw_gbps_median"] = float(np.median(row["raw_gbps"]))
-                    row["kvown_gbps_median"] = float(np.median(row["kvown_gbps"]))
-                    row["ratio_of_medians"] = row["kvown_gbps_median"] / row["raw_gbps_median"]
-                    # the headline: the median of each repetition's kvown / raw, measured back to back, so a
-                    # machine whose load drifts between repetitions moves both sides of each ratio
-                    row["ratio"] = float(np.median([k / r for k, r in zip(row["kvown_gbps"], row["raw_gbps"])]))
-                rows.append(row)
-        # release -> retired, one session at a time (RL_complete), 64 KiB
-        plan = [(False, 0)] * (args.w2_sessions + args.warmup)
-        rl = kv_sessions(rt, comm, rank, rids.take(len(plan)), 64 * KIB // block or 1, (1,), plan, 0, False,
-                         deadline)
-        w1 = {"throughput": rows}
-        if rank == RX:
-            w1["release_to_retired"] = pct(rl["release_to_retired_ns"][args.warmup:])
-            w1["publish_to_landed"] = pct(rl["publish_to_landed_ns"][args.warmup:])
-            w1["release_to_retired_over_rtt"] = round(w1["release_to_retired"]["p50_us"] / rtt_us, 3)
-        result["w1"] = comm.bcast(w1 if rank == RX else None, root=RX)
 
-    # ---- W2
-    if "w2" in workloads:
-        rates = [int(r) for r in args.w2_rates.split(",")]
-        points = []
-        total = len(w2_sizes) * len(rates)
-        with progress(total, "W2 cancellation sweep", show) as bar:
-            for s in w2_sizes:
-                nb = max(1, s // block)
-                w_ns = int(result["raw_write"][str(s)]["p50_us"] * 1e3)
-                settle = int(args.settle * w_ns) + 1_000_000
-                for rate in rates:
-                    n = args.w2_sessions + args.warmup
-                    plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
-                    kv = kv_sessions(rt, comm, rank, rids.take(n), nb, (1,), plan, settle, True, deadline)
-                    b0 = raw.cancel_sweep(s, plan[args.warmup:], 0, settle, deadline)
-                    point: dict[str, Any] = {"size": s, "rate": rate, "sessions": n - args.warmup}
-                    if rank == RX:
-                        point.update(_w2_point(plan, kv, b0, args.warmup, rtt_us, w_ns / 1e3))
-                    points.append(point)
-                    bar.update(1)
-        # B1: a few cancelled sessions held for the timeout (its RL is the timeout by construction)
-        b1_plan = [(True, int(rng.uniform(0, int(result["raw_write"][str(max(w2_sizes))]["p50_us"] * 1e3))))
-                   for _ in range(args.b1_sessions)]
-        b1 = raw.cancel_sweep(max(w2_sizes), b1_plan, int(args.b1_timeout_s * 1e9), 1_000_000, deadline)
-        w2: dict[str, Any] = {"points": points}
-        if rank == RX:
-            w2["b1"] = {"timeout_s": args.b1_timeout_s, "size": max(w2_sizes), "sessions": len(b1_plan),
-                        "cancel_to_free": pct(b1["freed_ns"]), "violations": b1["violations"]}
-            cancelled = [p for p in points if p.get("kvown_cancel_to_retired", {}).get("n")]
-            w2["violations_kvown"] = sum(p["kvown_violations"] for p in points)
-            w2["violations_raw"] = sum(p["b0_violations"] for p in points)
-            w2["retire_p50_over_bound"] = max((p["p50_over_bound"] for p in cancelled), default=None)
-            w2["retire_p99_over_bound"] = max((p["p99_over_bound"] for p in cancelled), default=None)
-        result["w2"] = comm.bcast(w2 if rank == RX else None, root=RX)
-
-    # ---- W3
-    if "w3" in workloads:
-        rows = []
-        ks = [int(k) for k in args.w3_writers.split(",")] if args.w3_writers else list(range(1, len(writers) + 1))
-        with progress(len(ks), "W3 fan-in", show) as bar:
-            for k in ks:
-                n = args.w3_sessions + args.warmup
-                w_ns = int(result["raw_write"][str(min(int(k) for k in result["raw_write"]))]["p50_us"] * 1e3)
-                rate = int(args.w3_rates.split(",")[0])
-                plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
-                t0 = time.perf_counter_ns()
-                kv = kv_sessions(rt, comm, rank, rids.take(n), args.w3_blocks, writers[:k], plan, 0, False, deadline)
-                wall = time.perf_counter_ns() - t0
-                if rank == RX:
-                    row = {"writers": k, "sessions": n, "blocks": args.w3_blocks,
-                           "session_nbytes": args.w3_blocks * block,
-                           "cancel_to_retired": pct(kv.get("cancel_to_retired_ns", [])),
-                           "release_to_retired": pct(kv.get("release_to_retired_ns", [])),
-                           "sessions_per_s": round(n / (wall / 1e9), 1), "outcomes": kv["outcomes"]}
-                    rows.append(row)
+def run_w1(b: Bench) -> None:
+    """W1: throughput of kvown vs B0 per size, alternating repetitions; then release -> retired."""
+    args, comm, rank, rt, raw, deadline, window = b.args, b.comm, b.rank, b.rt, b.raw, b.deadline, b.args.window
+    rows = []
+    with progress(len(b.w1_sizes) * args.reps, "W1 happy path", b.show) as bar:
+        for s in b.w1_sizes:
+            nb = s // b.block
+            n = int(min(1000, max(32, args.w1_bytes // s)))
+            row: dict[str, Any] = {"size": s, "sessions": n, "raw_gbps": [], "kvown_gbps": [], "not_completed": 0}
+            kv_throughput(rt, comm, rank, b.rids.take(min(n, 16)), nb, window, deadline, b.slow)  # warm-up
+            for _ in range(args.reps):
+                row["raw_gbps"].append(n * s / raw.throughput(s, n, window, deadline))
+                k = kv_throughput(rt, comm, rank, b.rids.take(n), nb, window, deadline, b.slow)
+                b.dump_if_slow()
+                row["kvown_gbps"].append(n * s / k["ns"])  # wall clock: slow sessions included
+                row["not_completed"] += k["not_completed"]
+                row["dst_runs_per_session"] = k["dst_runs"] / n
                 bar.update(1)
-        result["w3"] = comm.bcast({"points": rows} if rank == RX else None, root=RX)
-
-    stats = comm.gather(rt.statistics().to_dict(), root=RX)
-    env = environment(args.seed) if rank == RX else None
-    soft_barrier(comm, deadline)
-    raw.close()
-    rt.close()
+            if rank == RX:
+                row["raw_gbps_median"] = float(np.median(row["raw_gbps"]))
+                row["kvown_gbps_median"] = float(np.median(row["kvown_gbps"]))
+                row["ratio_of_medians"] = row["kvown_gbps_median"] / row["raw_gbps_median"]
+                # the headline: the median of each repetition's kvown / raw, measured back to back, so a
+                # machine whose load drifts between repetitions moves both sides of each ratio
+                row["ratio"] = float(np.median([k / r for k, r in zip(row["kvown_gbps"], row["raw_gbps"])]))
+            rows.append(row)
+    # release -> retired, one session at a time (RL_complete), 64 KiB
+    plan = [(False, 0)] * (args.w2_sessions + args.warmup)
+    rl = kv_sessions(rt, comm, rank, b.rids.take(len(plan)), 64 * KIB // b.block or 1, (1,), plan, 0, False,
+                     deadline, b.slow, "w1", args.warmup)
+    b.dump_if_slow()
+    w1: dict[str, Any] = {"throughput": rows}
     if rank == RX:
+        w1["release_to_retired"] = pct(rl.get("release_to_retired_ns", []))
+        w1["publish_to_landed"] = pct(rl.get("publish_to_landed_ns", []))
+        rtt_us = b.result["notif_rtt"]["p50_us"]
+        w1["release_to_retired_over_rtt"] = round(w1["release_to_retired"]["p50_us"] / rtt_us, 3)
+    b.result["w1"] = comm.bcast(w1 if rank == RX else None, root=RX)
+
+
+def run_w2(b: Bench) -> None:
+    """W2: cancellation sweep per (size, rate), kvown then B0 on the same plan; then B1's timeout."""
+    args, comm, rank, rng, result = b.args, b.comm, b.rank, b.rng, b.result
+    rates = [int(r) for r in args.w2_rates.split(",")]
+    points = []
+    with progress(len(b.w2_sizes) * len(rates), "W2 cancellation sweep", b.show) as bar:
+        for s in b.w2_sizes:
+            nb = max(1, s // b.block)
+            w_ns = int(result["raw_write"][str(s)]["p50_us"] * 1e3)
+            settle = int(args.settle * w_ns) + 1_000_000
+            for rate in rates:
+                n = args.w2_sessions + args.warmup
+                plan = [(rng.random() * 100 < rate, int(rng.uniform(0, w_ns))) for _ in range(n)]
+                kv = kv_sessions(b.rt, comm, rank, b.rids.take(n), nb, (1,), plan, settle, True, b.deadline, b.slow,
+                                 "w2", args.warmup)
+                b.dump_if_slow()
+                b0 = b.raw.cancel_sweep(s, plan[args.warmup:], 0, settle, b.deadline)
+                point: dict[str, Any] = {"size": s, "rate": rate, "sessions": n - args.warmup}
+                if rank == RX:
+                    point.update(_w2_point(kv, b0, result["notif_rtt"]["p50_us"], w_ns / 1e3))
+                points.append(point)
+                bar.update(1)
+    # B1: a few cancelled sessions held for the timeout (its RL is the timeout by construction)
+    b1_plan = [(True, int(rng.uniform(0, int(result["raw_write"][str(max(b.w2_sizes))]["p50_us"] * 1e3))))
+               for _ in range(args.b1_sessions)]
+    b1 = b.raw.cancel_sweep(max(b.w2_sizes), b1_plan, int(args.b1_timeout_s * 1e9), 1_000_000, b.deadline)
+    w2: dict[str, Any] = {"points": points}
+    if rank == RX:
+        w2["b1"] = {"timeout_s": args.b1_timeout_s, "size": max(b.w2_sizes), "sessions": len(b1_plan),
+                    "cancel_to_free": pct(b1["freed_ns"]), "violations": b1["violations"]}
+        cancelled = [p for p in points if p.get("kvown_cancel_to_retired", {}).get("n")]
+        w2["violations_kvown"] = sum(p["kvown_violations"] for p in points)
+        w2["violations_raw"] = sum(p["b0_violations"] for p in points)
+        w2["retire_p50_over_bound"] = max((p["p50_over_bound"] for p in cancelled), default=None)
+        w2["retire_p99_over_bound"] = max((p["p99_over_bound"] for p in cancelled), default=None)
+    result["w2"] = comm.bcast(w2 if rank == RX else None, root=RX)
+
+
+def run_w3(b: Bench) -> None:
+    """W3: fan-in, K writers each writing head slice i of K, 20 % cancelled."""
+    args, rank, result = b.args, b.rank, b.result
+    rows = []
+    ks = [int(k) for k in args.w3_writers.split(",")] if args.w3_writers else list(range(1, len(b.writers) + 1))
+    with progress(len(ks), "W3 fan-in", b.show) as bar:
+        for k in ks:
+            n = args.w3_sessions + args.warmup
+            w_ns = int(result["raw_write"][str(min(int(k) for k in result["raw_write"]))]["p50_us"] * 1e3)
+            rate = int(args.w3_rates.split(",")[0])
+            plan = [(b.rng.random() * 100 < rate, int(b.rng.uniform(0, w_ns))) for _ in range(n)]
+            t0 = time.perf_counter_ns()
+            kv = kv_sessions(b.rt, b.comm, rank, b.rids.take(n), args.w3_blocks, b.writers[:k], plan, 0, False,
+                             b.deadline, b.slow, "w3")
+            b.dump_if_slow()
+            wall = time.perf_counter_ns() - t0
+            if rank == RX:
+                row = {"writers": k, "sessions": n, "blocks": args.w3_blocks,
+                       "session_nbytes": args.w3_blocks * b.block,
+                       "cancel_to_retired": pct(kv.get("cancel_to_retired_ns", [])),
+                       "release_to_retired": pct(kv.get("release_to_retired_ns", [])),
+                       "sessions_per_s": round(n / (wall / 1e9), 1), "outcomes": kv["outcomes"],
+                       "slow_sessions": kv["slow_sessions"]}
+                rows.append(row)
+            bar.update(1)
+    result["w3"] = b.comm.bcast({"points": rows} if rank == RX else None, root=RX)
+
+
+def finish(b: Bench) -> None:
+    """Gather statistics and slow sessions, close both agents, and let rank 0 report."""
+    comm, rank, result = b.comm, b.rank, b.result
+    slow_waits = comm.gather(b.slow.waits, root=RX)
+    stats = comm.gather(b.rt.statistics().to_dict(), root=RX)
+    env = environment(b.args.seed) if rank == RX else None
+    soft_barrier(comm, b.deadline)
+    b.raw.close()
+    b.rt.close()
+    if rank == RX:
+        result["slow_sessions"] = b.slow.report(slow_waits[1:])
         result["engine_statistics"] = stats
         result["environment"] = env
-        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        result["wall_s"] = round(time.monotonic() - b.t_start, 1)
         report(result)
-        write_json(args.json, result)
-        if args.plot:
-            plot(result, args.plot)
-    return 0
+        write_json(b.args.json, result)
+        if b.args.plot:
+            plot(result, b.args.plot)
 
 
-def _w2_point(plan: list[tuple[bool, int]], kv: dict[str, Any], b0: dict[str, Any], warmup: int, rtt_us: float,
-              write_us: float) -> dict[str, Any]:
+def _w2_point(kv: dict[str, Any], b0: dict[str, Any], rtt_us: float, write_us: float) -> dict[str, Any]:
+    """One W2 point; ``kv``'s latency lists already leave out the warm-up and the slow sessions."""
     cancel_ns = kv.get("cancel_to_retired_ns", [])
-    n_cancel_warm = sum(1 for c, _ in plan[:warmup] if c)
-    cancel_ns = cancel_ns[n_cancel_warm:]
     bound50, bound99 = 3 * rtt_us + write_us, 10 * rtt_us + write_us
     out: dict[str, Any] = {
         "kvown_cancel_to_retired": pct(cancel_ns),
-        "kvown_release_to_retired": pct(kv.get("release_to_retired_ns", [])[warmup - n_cancel_warm:]),
+        "kvown_release_to_retired": pct(kv.get("release_to_retired_ns", [])),
+        "slow_sessions": kv.get("slow_sessions", 0),
         "kvown_violations": kv.get("violations", 0), "kvown_outcomes": kv.get("outcomes", {}),
         "b0_violations": b0["violations"], "b0_cancel_to_free": pct(b0["freed_ns"]),
         "bound_p50_us": round(bound50, 1), "bound_p99_us": round(bound99, 1),
@@ -670,6 +555,11 @@ def report(r: dict[str, Any]) -> None:
               f"violations {b1['violations']}")
         print(f"  worst p50/bound {r['w2']['retire_p50_over_bound']}, p99/bound {r['w2']['retire_p99_over_bound']}; "
               f"violations kvown {r['w2']['violations_kvown']}, B0 {r['w2']['violations_raw']}")
+    slow = r.get("slow_sessions") or {}
+    if slow.get("count"):
+        print(f"slow sessions (a wait > {slow['slow_s']} s; left out of the percentiles): {slow['count']}: "
+              + ", ".join(f"{s['workload']} {s['request_id']:#x} {s['waited_for']} {s['waited_s']} s"
+                          for s in slow["waits"][:8]))
     if "w3" in r:
         print("W3 fan-in: K  cancel->retired p50/p99 us  release->retired p50  sessions/s")
         for p in r["w3"]["points"]:
