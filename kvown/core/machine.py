@@ -226,8 +226,10 @@ class RankCore(Generic[S]):
     def _schedule(self, request_id: int, session: S) -> None:
         """Make sure the heap holds every current deadline of ``session`` (each entry once)."""
         for deadline in self._session_deadlines(session):
+            if deadline is None:
+                continue
             entry = (deadline, request_id)
-            if deadline is not None and entry not in self._queued:
+            if entry not in self._queued:
                 self._queued.add(entry)
                 heapq.heappush(self._deadlines, entry)
 
