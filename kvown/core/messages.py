@@ -503,7 +503,7 @@ def seal(body: bytes, key: bytes) -> bytes:
     return body + mac_for(key).tag(body)
 
 
-def unseal(frame: bytes, key: bytes) -> bytes:
+def unseal(frame: object, key: bytes) -> bytes:
     """Check size and tag in constant time; return the body. Raises ``PeerProtocolError``."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise PeerProtocolError("frame is not bytes", field="frame")
