@@ -55,6 +55,7 @@ _EXPORTS = {
     "BlockSpace": "kvown.cache.space",
     "Region": "kvown.cache.space",
     "Role": "kvown.adapters.transport",
+    "build_info": "kvown.runtime.build",
 }
 
 __all__ = sorted(_EXPORTS)

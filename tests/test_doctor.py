@@ -10,7 +10,7 @@ from kvown import cli
 from kvown.apps import doctor
 from kvown.apps.doctor import CheckResult, CheckStatus
 
-EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "gpu", "serve", "bench", "vllm"]
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "build", "gpu", "serve", "bench", "vllm"]
 
 
 @pytest.mark.timeout(120)
@@ -115,3 +115,15 @@ def test_a_missing_extra_is_named_with_what_it_is_for(monkeypatch: pytest.Monkey
     assert result.status is doctor.CheckStatus.ABSENT and not result.required
     assert "fastapi" in result.detail and "kvown serve" in result.detail and result.fix == "pip install 'kvown[serve]'"
     assert doctor.check_extra("bench").status is doctor.CheckStatus.OK  # this venv has every extra (the lock file)
+
+
+@pytest.mark.timeout(60)
+def test_build_line_says_which_build_this_process_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvown
+
+    line = doctor.check_build()
+    assert line.status is CheckStatus.OK and line.detail.startswith(kvown.build_info()["build"])
+    half = {"build": "mixed", "compiler": "mypyc", "compiled": ["kvown.core.ids"], "interpreted": ["kvown.core.fence"]}
+    monkeypatch.setattr(kvown, "build_info", lambda: half)
+    broken = doctor.check_build()
+    assert broken.status is CheckStatus.PROBLEM and "kvown.core.fence" in broken.detail and broken.fix

@@ -9,9 +9,7 @@ import pathlib
 
 import pytest
 
-import kvown
-
-ROOT = pathlib.Path(kvown.__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "kvown"  # the checkout's source, in either build's run
 LIMIT = 70
 STILL_OVER = {  # (file under kvown/, function) -> its length in lines today
     ("apps/benchmarks/control.py", "_nixl_initiator"): 91,

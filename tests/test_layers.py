@@ -12,9 +12,8 @@ import pathlib
 
 import pytest
 
-import kvown
 
-ROOT = pathlib.Path(kvown.__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "kvown"  # the checkout's source, in either build's run
 FLOORS = ("kvown.core", "kvown.cache", "kvown.adapters", "kvown.runtime", "kvown.api", "kvown.rank",
           "kvown.testing", "kvown.apps")
 TOP = len(FLOORS) - 1  # apps, integrations and the CLI: users of the library

@@ -10,6 +10,7 @@ Usage: ``python -m kvown.apps.docs_gen`` writes the file; ``--check`` exits 1 wh
 from __future__ import annotations
 
 import argparse
+import ast
 import enum
 import inspect
 import pathlib
@@ -21,10 +22,19 @@ from kvown.core import receiver, sender
 OUT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "state-machines.md"
 
 
+def _class_source(cls: type) -> str:
+    """The source of ``cls``, also in the compiled build (inspect cannot read an extension module: read
+    the .py it was compiled from, installed beside it)."""
+    path = pathlib.Path(inspect.getfile(sys.modules[cls.__module__]))
+    source = path.with_name(path.name.split(".")[0] + ".py").read_text()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    return "\n".join(source.splitlines()[node.lineno - 1:node.end_lineno])
+
+
 def _comments(cls: type[enum.Enum]) -> dict[str, str]:
     """Member name -> its trailing ``# comment`` in the source."""
     out = {}
-    for line in inspect.getsource(cls).splitlines():
+    for line in _class_source(cls).splitlines():
         m = re.match(r"\s+([A-Z_]+) = .*?#\s*(.+)$", line)
         if m:
             out[m.group(1)] = m.group(2).strip()

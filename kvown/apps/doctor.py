@@ -1,7 +1,7 @@
 """``kvown doctor``: what this machine offers, one line per part.
 
-Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy, NVRTC, the kernels' host test build and
-the GPU that a kvown job would use, and reporting each as OK, a PROBLEM with its fix, or ABSENT (an
+Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy, NVRTC, the kernels' host test build, which
+build of the hot path runs (compiled or interpreted) and the GPU that a kvown job would use, and reporting each as OK, a PROBLEM with its fix, or ABSENT (an
 optional part that is not here).
 
 Rules:
@@ -189,6 +189,22 @@ def check_host_extension() -> CheckResult:
     return _ok("hostext", f"kvown.kernels._kv_host built ({module.__file__})", required=False)
 
 
+def check_build() -> CheckResult:
+    """Which build of the hot path this process imported (kvown.build_info): compiled or interpreted."""
+    import kvown
+
+    info = kvown.build_info()
+    if info["build"] == "mixed":
+        return CheckResult("build", CheckStatus.PROBLEM, False,
+                           f"mixed: compiled {', '.join(info['compiled'])}; interpreted {', '.join(info['interpreted'])}",
+                           "reinstall: KVOWN_COMPILE=1 pip install . (or KVOWN_COMPILE=0 for the interpreted build)")
+    if info["build"] == "compiled":
+        return _ok("build", f"compiled ({info['compiler']}): {len(info['compiled'])} hot-path modules are "
+                   "extension modules", required=False)
+    return _ok("build", f"interpreted ({len(info['interpreted'])} hot-path modules from .py; "
+               "KVOWN_COMPILE=1 pip install . compiles them)", required=False)
+
+
 def check_gpu() -> CheckResult:
     import torch
 
@@ -232,6 +248,7 @@ CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
     ("cupy", False, check_cupy),
     ("nvrtc", False, check_nvrtc),
     ("hostext", False, check_host_extension),
+    ("build", False, check_build),
     ("gpu", False, check_gpu),
     *((name, False, lambda name=name: check_extra(name)) for name in EXTRAS),
 ]

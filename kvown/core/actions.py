@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvown.core.messages import Message
+# A real import, not a TYPE_CHECKING one: a compiled (mypyc) class checks its fields' types at run time.
+from kvown.core.messages import Message
 
 
 class PieceKind(enum.Enum):

@@ -28,7 +28,7 @@ from kvown.core.errors import ConfigError
 MAX_TIMEOUT_NS = 24 * 3600 * 10**9
 
 
-def timeout_ns_from_s(value: float, *, field: str) -> int:
+def timeout_ns_from_s(value: object, *, field: str) -> int:
     """Validate a timeout given in seconds: finite and > 0 (0, negative, nan, inf are refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError("timeout must be a number of seconds", field=field, value=value)

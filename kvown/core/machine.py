@@ -37,7 +37,17 @@ from kvown.core.fence import CancellationFence
 from kvown.core.ids import split_request_id
 from kvown.core.messages import MAX_RANK, Watermark
 
+T = TypeVar("T")
 
+
+def python_class(cls: type[T]) -> type[T]:
+    """Keep ``cls`` a Python class in the compiled build (mypyc makes a class with an unknown decorator
+    non-native). For a class whose constructor validates untrusted values: a native class type-checks
+    its fields before ``__post_init__`` runs, so a bad value would raise TypeError, not ConfigError."""
+    return cls
+
+
+@python_class
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     """Static configuration of one rank's core. Validated on construction (``ConfigError``)."""
@@ -226,8 +236,10 @@ class RankCore(Generic[S]):
     def _schedule(self, request_id: int, session: S) -> None:
         """Make sure the heap holds every current deadline of ``session`` (each entry once)."""
         for deadline in self._session_deadlines(session):
+            if deadline is None:
+                continue
             entry = (deadline, request_id)
-            if deadline is not None and entry not in self._queued:
+            if entry not in self._queued:
                 self._queued.add(entry)
                 heapq.heappush(self._deadlines, entry)
 

@@ -72,6 +72,8 @@ class ResultStatus(enum.IntEnum):
 
 
 # ---- field validators: each returns the value or raises PeerProtocolError(field=...) --------------
+Validator = Callable[[str, Any], Any]
+Schema = dict[str, Validator]  # a message class's field name -> validator, in field order
 # Public: the transport adapter checks a peer's start-up record (``PeerInfo.from_wire``) with these too.
 
 
@@ -93,7 +95,8 @@ def _bool(name: str, value: Any) -> bool:
 def _request_id(name: str, value: Any) -> int:
     if not is_valid_request_id(value):
         raise PeerProtocolError("invalid request id", field=name, value=short_repr(value))
-    return value
+    request_id: int = value
+    return request_id
 
 
 def _blocks(name: str, value: Any) -> tuple[int, ...]:
@@ -153,7 +156,10 @@ class Message:
 
     __slots__ = ()
     KIND: ClassVar[ControlKind]
-    SCHEMA: ClassVar[dict[str, Callable[[str, Any], Any]]]
+    SCHEMA: ClassVar[Schema]
+    # Set once per class by ``_wire_helpers`` below (declared so a compiled build can assign them).
+    _GET: ClassVar[Callable[[Any], tuple[Any, ...]]]
+    _CHECKS: ClassVar[tuple[tuple[str, Validator], ...]]
 
     def to_fields(self) -> list[Any]:
         return [_plain(getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
@@ -161,7 +167,7 @@ class Message:
     def wire_fields(self) -> tuple[Any, ...]:
         """The field values in wire order, as msgpack packs them (tuples as arrays, IntEnums as ints).
         The codec's hot path: one C-level attribute getter, no per-field Python."""
-        return self._GET(self)  # type: ignore[attr-defined]
+        return type(self)._GET(self)  # through the class: a plain function stored there never binds
 
 
 def _plain(value: Any) -> Any:
@@ -172,6 +178,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _one_field(get: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """attrgetter of one name returns the value, not a 1-tuple: wrap it."""
+    return lambda m: (get(m),)
+
+
+def _wire(cls: type[Message], kind: ControlKind, schema: Schema) -> None:
+    """Give a message class its kind, its schema and its wire helpers, computed once: a C-level getter
+    of the fields in wire order, and the (name, validator) pairs in the same order. Set after the class
+    body, not in it: a compiled (mypyc) dataclass would take a ``ClassVar`` in its body for a field."""
+    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    get = operator.attrgetter(*names)
+    cls.KIND, cls.SCHEMA = kind, schema
+    cls._GET = get if len(names) > 1 else _one_field(get)
+    cls._CHECKS = tuple((name, schema[name]) for name in names)
+    assert list(schema) == list(names), cls
+
+
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     """Handshake: who I am and what I speak. A mismatch is refused before any publication."""
@@ -180,13 +203,14 @@ class Hello(Message):
     protocol_version: int
     capabilities: tuple[str, ...]
     geometry_digest: str
-    KIND: ClassVar[ControlKind] = ControlKind.HELLO
-    SCHEMA: ClassVar[dict] = {
-        "rank": rank_field,
-        "protocol_version": int_field(0, 1 << 16),
-        "capabilities": names_field,
-        "geometry_digest": digest_field,
-    }
+
+
+_wire(Hello, ControlKind.HELLO, {
+    "rank": rank_field,
+    "protocol_version": int_field(0, 1 << 16),
+    "capabilities": names_field,
+    "geometry_digest": digest_field,
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,15 +228,16 @@ class RequestData(Message):
     slice_index: int
     num_slices: int
     aux_slot: int
-    KIND: ClassVar[ControlKind] = ControlKind.REQUEST_DATA
-    SCHEMA: ClassVar[dict] = {
-        "request_id": _request_id,
-        "receiver_rank": rank_field,
-        "dst_blocks": _blocks,
-        "slice_index": int_field(0, MAX_SLICES - 1),
-        "num_slices": int_field(1, MAX_SLICES),
-        "aux_slot": int_field(-1, (1 << 31) - 1),
-    }
+
+
+_wire(RequestData, ControlKind.REQUEST_DATA, {
+    "request_id": _request_id,
+    "receiver_rank": rank_field,
+    "dst_blocks": _blocks,
+    "slice_index": int_field(0, MAX_SLICES - 1),
+    "num_slices": int_field(1, MAX_SLICES),
+    "aux_slot": int_field(-1, (1 << 31) - 1),
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,15 +251,16 @@ class KvResult(Message):
     is_last: bool
     status: ResultStatus
     nbytes: int
-    KIND: ClassVar[ControlKind] = ControlKind.KV_RESULT
-    SCHEMA: ClassVar[dict] = {
-        "writer_rank": rank_field,
-        "request_id": _request_id,
-        "piece": _piece,
-        "is_last": _bool,
-        "status": _enum(ResultStatus),
-        "nbytes": _nbytes,
-    }
+
+
+_wire(KvResult, ControlKind.KV_RESULT, {
+    "writer_rank": rank_field,
+    "request_id": _request_id,
+    "piece": _piece,
+    "is_last": _bool,
+    "status": _enum(ResultStatus),
+    "nbytes": _nbytes,
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +273,9 @@ class AuxResult(Message):
     is_last: bool
     status: ResultStatus
     nbytes: int
-    KIND: ClassVar[ControlKind] = ControlKind.AUX_RESULT
-    SCHEMA: ClassVar[dict] = KvResult.SCHEMA
+
+
+_wire(AuxResult, ControlKind.AUX_RESULT, KvResult.SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +288,9 @@ class CancelSession(Message):
 
     request_id: int
     receiver_rank: int
-    KIND: ClassVar[ControlKind] = ControlKind.CANCEL_SESSION
-    SCHEMA: ClassVar[dict] = {"request_id": _request_id, "receiver_rank": rank_field}
+
+
+_wire(CancelSession, ControlKind.CANCEL_SESSION, {"request_id": _request_id, "receiver_rank": rank_field})
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +300,9 @@ class SessionQuiesced(Message):
 
     writer_rank: int
     request_id: int
-    KIND: ClassVar[ControlKind] = ControlKind.SESSION_QUIESCED
-    SCHEMA: ClassVar[dict] = {"writer_rank": rank_field, "request_id": _request_id}
+
+
+_wire(SessionQuiesced, ControlKind.SESSION_QUIESCED, {"writer_rank": rank_field, "request_id": _request_id})
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,25 +311,16 @@ class Watermark(Message):
 
     rank: int
     epoch: int
-    KIND: ClassVar[ControlKind] = ControlKind.WATERMARK
-    SCHEMA: ClassVar[dict] = {"rank": rank_field, "epoch": _epoch}
+
+
+_wire(Watermark, ControlKind.WATERMARK, {"rank": rank_field, "epoch": _epoch})
 
 
 MESSAGE_TYPES: dict[ControlKind, type[Message]] = {
     cls.KIND: cls for cls in (Hello, RequestData, KvResult, AuxResult, CancelSession, SessionQuiesced, Watermark)
 }
-def _wire_helpers(cls: type[Message]) -> None:
-    """Per-class wire helpers, computed once: a C-level getter of the fields in wire order, and the
-    (name, validator) pairs in the same order."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    get = operator.attrgetter(*names)
-    cls._GET = get if len(names) > 1 else (lambda m, g=get: (g(m),))  # type: ignore[attr-defined]
-    cls._CHECKS = tuple((name, cls.SCHEMA[name]) for name in names)  # type: ignore[attr-defined]
-    assert list(cls.SCHEMA) == list(names), cls
 
 
-for _cls in MESSAGE_TYPES.values():
-    _wire_helpers(_cls)
 _BY_KIND: dict[int, type[Message]] = {int(kind): cls for kind, cls in MESSAGE_TYPES.items()}
 
 
@@ -478,7 +498,7 @@ def seal(body: bytes, key: bytes) -> bytes:
     return body + mac_for(key).tag(body)
 
 
-def unseal(frame: bytes, key: bytes) -> bytes:
+def unseal(frame: object, key: bytes) -> bytes:
     """Check size and tag in constant time; return the body. Raises ``PeerProtocolError``."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise PeerProtocolError("frame is not bytes", field="frame")

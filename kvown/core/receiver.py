@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvown.core.actions import (
     Action,
@@ -248,7 +249,7 @@ class ReceiverCore(RankCore[ReceiveSession]):
         writer = session.writers.get(message.writer_rank) if session is not None else None
         return writer is not None and writer.acked
 
-    def _route(self, request_id: int, kind: RxInput, args: tuple, actions: list[Action], *, peer: bool) -> None:
+    def _route(self, request_id: int, kind: RxInput, args: tuple[Any, ...], actions: list[Action], *, peer: bool) -> None:
         session = self.sessions.get(request_id)
         if session is None:
             error = PeerProtocolError if peer else LocalProtocolError

@@ -116,7 +116,7 @@ def event_code(kind: str, *names: str) -> int:
     return code
 
 
-def _entry(e: tuple) -> tuple[int, str, int | None, dict[str, Any]]:
+def _entry(e: tuple[Any, ...]) -> tuple[int, str, int | None, dict[str, Any]]:
     """Format one stored entry (off the hot path): ``(t_ns, kind, request_id, detail)``; an enum value
     (a message kind, an outcome) reads as its name."""
     _, t_ns, code, rid, a, b, c, d = e

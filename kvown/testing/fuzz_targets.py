@@ -118,9 +118,9 @@ def snapshot(obj: Any, _depth: int = 0) -> Any:
     if isinstance(obj, (set, frozenset)):
         return ("set", tuple(sorted((snapshot(v, d) for v in obj), key=repr)))
     attrs: dict[str, Any] = {}
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name not in attrs and hasattr(obj, name):
+    for cls in type(obj).__mro__:  # a compiled (mypyc) class lists its attributes in __mypyc_attrs__
+        for name in (*getattr(cls, "__slots__", ()), *getattr(cls, "__mypyc_attrs__", ())):
+            if name not in attrs and name != "__dict__" and hasattr(obj, name):
                 attrs[name] = getattr(obj, name)
     attrs.update(getattr(obj, "__dict__", {}))
     return (type(obj).__name__, tuple((k, snapshot(v, d)) for k, v in sorted(attrs.items())))

@@ -714,6 +714,7 @@ DEFECT_MUTANTS = [  # (defect, mutant, the defect test that must fail under it, 
 
 
 @T10
+@pytest.mark.interpreted_only
 @pytest.mark.parametrize(("defect", "mutant", "check", "kwargs"), DEFECT_MUTANTS,
                          ids=[f"{d}-{m.__name__.strip('_')}{''.join(f'-{v}' for v in k.values())}"
                               for d, m, _, k in DEFECT_MUTANTS])

@@ -39,6 +39,7 @@ def test_ci_budget_finds_no_crash(target, tmp_path):
     assert report["coverage_edges"] > 0  # the kvown code was instrumented and reached
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.parametrize("mutant", sorted(ft.MUTANTS))
 def test_planted_bug_is_caught_within_ci_budget(mutant, tmp_path):
     target = ft.MUTANTS[mutant][0]

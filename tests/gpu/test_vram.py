@@ -94,6 +94,7 @@ def test_event_gating_posts_no_write_before_the_event(world) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.interpreted_only
 def test_event_gating_mutant_lands_stale_bytes(world, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the INV-S1 guard removed, the WRITE reads the source before the KV write ran: caught."""
     from kvown.core import sender

@@ -54,6 +54,7 @@ def test_no_write_is_posted_before_the_producer_signals(pair):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.interpreted_only
 def test_gating_mutant_is_caught(pair, monkeypatch):
     """If the sender ignored the ready token, the stale bytes would land: the check above has teeth."""
     from kvown.core import sender

@@ -106,6 +106,7 @@ def test_diagnostic_line_goes_to_fd_not_logging(tmp_path) -> None:
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.interpreted_only("subclasses FlightRecorder, a native class in the compiled build")
 def test_blocked_dump_delays_kill_by_at_most_the_join_bound() -> None:
     release = threading.Event()
 
@@ -124,6 +125,7 @@ def test_blocked_dump_delays_kill_by_at_most_the_join_bound() -> None:
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.interpreted_only("subclasses FlightRecorder, a native class in the compiled build")
 def test_failing_dump_still_kills(tmp_path, devnull_fd) -> None:
     class BrokenRecorder(FlightRecorder):
         def dump(self, *args, **kwargs):  # type: ignore[no-untyped-def]

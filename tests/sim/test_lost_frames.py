@@ -165,6 +165,7 @@ def test_frames_delayed_past_the_deadline_on_a_receiver_fail_stop_it_and_nothing
 
 @pytest.mark.sim
 @pytest.mark.timeout(600)
+@pytest.mark.interpreted_only
 def test_planted_bug_a_receiver_that_frees_on_its_timeout_is_caught_by_a_late_frame(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -194,6 +194,7 @@ def _first_caught(budget: int = SEED_BUDGET) -> tuple[int, InvariantViolation]:
 
 @pytest.mark.sim
 @pytest.mark.timeout(600)
+@pytest.mark.interpreted_only
 @pytest.mark.parametrize(("mutant", "tag"), MUTANTS, ids=[m.__name__ for m, _ in MUTANTS])
 def test_simulator_catches_mutant(mutant, tag, monkeypatch: pytest.MonkeyPatch) -> None:
     mutant(monkeypatch)

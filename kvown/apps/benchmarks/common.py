@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+import kvown
+
 KIB, MIB = 1024, 1 << 20
 
 
@@ -150,6 +152,7 @@ def environment(seed: int | None = None) -> dict[str, Any]:
         "kvown": ver("kvown"), "msgpack": ver("msgpack"), "numpy": ver("numpy"), "mpi4py": ver("mpi4py"),
         "ucx": ucx_version(), "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "nixl_progress_thread": False, "memory": "DRAM (CPU)", "gpu": _gpu(),
+        "kvown_build": kvown.build_info()["build"],  # compiled (mypyc) / interpreted hot path
     }
     try:
         from mpi4py import MPI

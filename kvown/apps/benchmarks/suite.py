@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvown
 from kvown.apps.benchmarks.common import MIB, cdf, environment, plot_figure, progress, save, size_name
 from kvown.apps.benchmarks.common import ucx_transports, write_json
 
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     metrics = metrics_of(raw)
+    metrics["build"] = kvown.build_info()["build"]  # compiled / interpreted: the benchmarks' children inherit it
     targets = judge(metrics)
     result = {"benchmark": "kvown bench", "quick": args.quick, "metrics": metrics, "targets": targets,
               "environment": environment(), "transport": ucx_transports(), "exit_codes": codes,
