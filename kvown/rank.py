@@ -1,24 +1,22 @@
 """A rank's runtime: start-up inside an MPI world or across separately launched worlds, and the way out.
 
-Owns: the order of start-up steps, the per-job key, the collective start-up verdict, ``RankRuntime``
-(what one rank runs: driver, engine, watchdog, fail-stop executor, the embedding API) and the rank's
-exit paths.
+Owns: start-up order, the per-job key, the collective start-up verdict, ``RankRuntime`` (driver,
+engine, watchdog, fail-stop executor, the embedding API) and the rank's exit paths.
 
 Rules:
   1. Qualify the fail-stop route first (``qualify_world``): no transfer may start without a kill path.
   2. The per-job key comes from rank 0 over MPI, or from ``KVOWN_JOB_KEY`` (hex) when worlds are
      launched apart; a missing or short key is a ``ConfigError`` before anything is registered.
-  3. Start-up is collective and all-or-nothing: each step that can fail on one rank (building the
-     pool and the NIXL agent, binding the metrics port, checking every peer's version, capabilities,
-     geometry and block regions) ends in an ``allgather`` of every rank's verdict, and a failure
-     anywhere raises ``ConfigError`` on every rank naming the rank and the cause. No thread starts
-     before every rank has passed every check, so no rank is left waiting in a barrier.
+  3. Start-up is collective and all-or-nothing: each step that can fail on one rank (pool and NIXL
+     agent, metrics port, every peer's version, capabilities, geometry and block regions) ends in an
+     ``allgather`` of verdicts; a failure anywhere raises ``ConfigError`` on every rank naming the rank
+     and the cause. No thread starts before every rank passed every check (none waits in a barrier).
   4. No rank leaves its program while its peers may still need it. ``exit()`` (and, when the
      program ends without it, an interpreter-exit hook) first meets every rank in an exit barrier on
      a private communicator, bounded by the rank-crash grace; when all arrive the world finalizes
      together, otherwise this rank fail-stops the world (RANK_CRASH). An uncaught exception in the
-     main thread fail-stops the world at once. A fail-stop that is pending when the program ends is
-     carried out by the exit hook on the main thread (the executor's worker is a daemon thread).
+     main thread fail-stops the world at once; a pending fail-stop at program end is carried out by
+     the exit hook on the main thread (the executor's worker is a daemon thread).
 
 Invariants:
   INV-RK1  A rank's engine thread starts only after every rank's start-up verdict was "ok".

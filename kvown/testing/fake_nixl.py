@@ -2,26 +2,21 @@
 
 Owns: ``FakeFabric`` (the shared "network" that connects fake agents by name, holds injected faults
 and late "ghost" writes) and ``FakeNixlEndpoint`` (a ``NixlEndpoint`` whose library is a fake agent).
-
-The fake replaces the *library*, not the adapter (contract tests run against both): docs/design.md
-section 13.
+It replaces the *library*, not the adapter (contract tests run against both): docs/design.md section 13.
 
 Rules:
-  1. Addresses are real host addresses: a landing WRITE copies bytes with ``ctypes.memmove``. Only
-     DRAM is supported; registering VRAM fails like NIXL does on a host without CUDA-aware UCX.
+  1. Addresses are real: a landing WRITE copies bytes (``ctypes.memmove``). DRAM only: registering VRAM
+     fails as NIXL does without CUDA-aware UCX.
   2. Peer metadata is a snapshot, as in NIXL: memory a peer registers after ``metadata()`` is unknown
      to us until its metadata is loaded again.
   3. Completion is driven by the initiator's polls (``delay_polls``); late landings and delayed
      notifications are driven by *ticks*: every call on any fake agent of a fabric is one tick.
-  4. A WRITE's notification is delivered only when the WRITE reports DONE (after its bytes landed),
-     and never for a WRITE that reported ERR or whose post raised - what NIXL's UCX backend does
-     (``kvown.adapters.nixl`` rule 7). Real NIXL may deliver it one status check before DONE; the fake
-     delivers both in one call, which only narrows the window (safety never depends on the gap).
+  4. A WRITE's notification is delivered only when the WRITE reports DONE (bytes landed), never for
+     one that reported ERR or whose post raised, as NIXL's UCX backend does (``kvown.adapters.nixl``
+     rule 7; real NIXL may deliver it one check earlier: safety never depends on the gap).
   5. Fault knobs (``WriteFault``, ``NotifFault``) are consumed in FIFO order by the first matching
      post / notification; each applies ``count`` times.
-
-  6. What real NIXL does that a naive fake would not is reachable by a knob each (list: docs/design.md
-     section 13).
+  6. What real NIXL does that a naive fake would not is reachable by a knob each (design.md 13).
 
 Invariants:
   INV-FAKE-1  A write reported DONE has landed all its bytes and will never land again.

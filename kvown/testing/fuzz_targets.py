@@ -1,38 +1,26 @@
 """Fuzz targets: every entry point that reads untrusted bytes, each with the oracle that judges it.
 
 Owns: the targets (``TARGETS``: name -> ``Target``), their fixtures (the state a hostile input meets),
-the oracles, the seed inputs of the checked-in corpus (``seeds``) and the planted bugs (``MUTANTS``)
-that prove the oracles can fail. ``kvown.testing.fuzz`` drives these targets with atheris; tests
-replay them directly. Nothing here imports atheris.
+the oracles, the corpus seeds (``seeds``) and the planted bugs (``MUTANTS``) that prove the oracles
+can fail. ``kvown.testing.fuzz`` drives them with atheris (not imported here); tests replay them.
 
 Rules:
-  1. A target is a function ``one_input(data: bytes) -> str``. It returns the outcome's name (for the
-     tests) and raises ``FuzzFinding`` (or lets any unexpected exception escape) for a crash.
+  1. A target ``one_input(data: bytes) -> str`` returns the outcome's name and raises ``FuzzFinding``
+     (or lets an unexpected exception escape) for a crash.
   2. Allowed outcomes, and only these: success, or ``PeerProtocolError`` whose ``field`` is a non-empty
      string *and* after which the state it could have touched is unchanged (a structural snapshot
      taken before the call, compared after it). ``LocalProtocolError`` from peer bytes is a crash:
      a peer must never be able to make kvown blame itself.
-  3. Every input meets a fresh fixture built the same way each time, so a finding replays from its
-     bytes alone.
+  3. Every input meets a fresh fixture built the same way each time (INV-FZ1): a finding replays
+     from its bytes alone, ``one_input`` is a pure function of them.
   4. Where a frame is HMAC-sealed in production, the target seals the fuzzed body with the job key
      itself: the fuzzer plays an attacker who holds the key (the strongest case), so its bytes reach
      msgpack and the field validators instead of dying at the tag check.
   5. The field oracle (``check_fields``) restates the documented field ranges independently of
      ``kvown.core.messages``' validators, so a validator that lets a bad value through is a finding.
 
-Targets:
-  frame              codec.decode_frame -> InboundStreams.deliver (+ check_hello for a HELLO), one frame
-                     of either layout (one message, or a batch; a carried frame is not a stream position)
-  core               codec.decode_frame -> Router.frame (InboundStreams.deliver, carried reports once)
-                     -> SenderCore/ReceiverCore.handle, a sequence of frames (u16 big-endian length
-                     prefixes) routed by the driver's own ``kvown.core.routing.Router``
-  peer_info          PeerInfo.from_blob (the rendezvous blob) -> transport.check_peer (-> check_hello)
-  rendezvous_server  RendezvousServer._serve_one on a scripted connection (the table is the state)
-  rendezvous_client  the publish/lookup client's exchange on a scripted connection
-
-Invariants:
-  INV-FZ1: a target's fixture is identical for every input (rule 3), so ``one_input`` is a pure
-           function of its bytes.
+Targets (what each reaches: docs/design.md section 15): ``frame``, ``core`` (frames through the
+driver's own ``Router`` into the cores), ``peer_info``, ``rendezvous_server``, ``rendezvous_client``.
 """
 
 from __future__ import annotations

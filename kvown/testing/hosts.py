@@ -1,19 +1,15 @@
 """Test hosts on one machine: N network namespaces that one ``mpirun`` treats as N separate hosts.
 
-Owns: for one run, the namespaces, the veth pairs, the bridge, the addresses on them, the hostfile,
-the launch agent, the environment that keeps MPI and UCX traffic on the test network, the link
-faults (down, rate limit, netem where the kernel has it), and the teardown of all of it.
-
-How it looks (the bridge, the veths, the launch agent): docs/design.md section 13.
+Owns: for one run, the namespaces, veth pairs, bridge, addresses, hostfile, launch agent, the
+environment that keeps MPI and UCX on the test network, link faults (down, rate, netem) and the
+teardown of all of it. How it looks: docs/design.md section 13.
 
 Rules:
-  1. Every name carries the kvown prefix and the run id (6 hex digits): namespaces ``kvown-<run>-<i>``,
-     links ``kvwn<run>...``. Each run takes its own /24 inside 198.18.0.0/15 (the range reserved for
-     network benchmarking, RFC 2544) that no interface of this machine uses; allocation holds a lock.
+  1. Every name carries the kvown prefix and the run id (6 hex digits): ``kvown-<run>-<i>``, links
+     ``kvwn<run>...``; each run takes its own /24 in 198.18.0.0/15 (RFC 2544), allocated under a lock.
   2. Addresses exist only on this run's namespaces and its bridge; no route leaves the machine.
-  3. UCX between ranks uses ``tcp`` on ``eth0`` (and ``self``): never shared memory or ``cma``, which
-     would cross "hosts" through the shared kernel. ``kvown.testing.ucxproto`` reads ``UCX_PROTO_INFO``
-     output to prove what UCX actually chose.
+  3. UCX between ranks uses ``tcp`` on ``eth0`` (and ``self``), never shared memory or ``cma`` (they
+     cross "hosts" through the kernel); ``kvown.testing.ucxproto`` proves what UCX chose.
   4. Teardown always happens: ``close()`` (also from ``__exit__``, so exceptions, timeouts that raise
      and Ctrl-C are covered), a reaper process that tears the run down when its owner dies by any
      means (SIGKILL included), and a sweep of stale runs (owner dead) before every setup.

@@ -1,8 +1,7 @@
 """``KVLink``: the loopback TCP reference implementation of the KV link protocol (``kvown.apps.serve.link``).
 
-Owns: one TCP connection per (decode, prefill) pair and every byte on it, the blocks the server lent it
-meanwhile, and its fence (kvown's own ``CancellationFence``). Selected by ``kvown serve --link loopback``.
-Why its proof of quiescence is local, and its wire format: docs/design.md section 13 and section 15.
+Owns: one TCP connection per (decode, prefill) pair and its bytes, the blocks lent meanwhile, its fence
+(kvown's ``CancellationFence``); ``kvown serve --link loopback``. Why: docs/design.md sections 13, 15.
 
 Rules:
   1. Decode side: a destination is OWNED from ``receive`` until DONE (landed: the server may use it)

@@ -1,9 +1,8 @@
 """The reference server's model and the KV memory it owns: a tiny decoder-only transformer with random
 weights from a fixed seed, a byte tokenizer, vLLM-style paged KV tensors and the server's block allocator.
 
-Owns: ``ModelConfig``, ``BlockAllocator`` (the server's one allocator), ``PagedKVCache``
-(per-layer ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensors and the byte chunks of a block),
-``TinyLM`` (RMSNorm, RoPE, grouped-query attention, SwiGLU) and ``sample``.
+Owns: ``ModelConfig``, ``BlockAllocator``, ``PagedKVCache`` (per-layer ``[2, num_blocks, block_size,
+kv_heads, head_dim]``), ``TinyLM`` (RMSNorm, RoPE, grouped-query attention, SwiGLU) and ``sample``.
 
 Rules:
   1. Same config and seed, same weights, on any device: weights are drawn on the CPU from a

@@ -1,9 +1,7 @@
 """The connector's scheduler half: which requests move KV, between which blocks, and when to let go.
 
-Owns: per request, what the scheduler process decided (receive into these blocks, send these blocks,
-cancel), and the step's ``StepPlan`` that ships those decisions to the worker processes. It imports
-neither vLLM nor kvown's runtime: vLLM objects are read through the few attributes named below, so the
-planner is tested with plain stand-ins.
+Owns: per request, the scheduler's decision (receive, send, cancel) and the step's ``StepPlan`` that
+ships them to the workers. Imports neither vLLM nor kvown's runtime (tested with plain stand-ins).
 
 Rules:
   1. kvown's request id comes from ``kv_transfer_params["kvown_request_id"]`` (the proxy mints one per
