@@ -23,13 +23,19 @@ _spec.loader.exec_module(slim_wheel)
 HF_KERNELS = "kernels==0.10.5"  # Hugging Face's package (pure Python; huggingface_hub, packaging, pyyaml)
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without what points imports at a checkout or a build (the compiled
+    run's PYTHONPATH): a clean venv must import only what was installed into it."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "KVOWN_COMPILE")}
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """kvown's wheel, built from a copy of the sources (no build/ or egg-info left in the checkout)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     skip = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
-    for folder in ("kvown", "kernels"):
+    for folder in ("kvown", "kernels", "buildtools"):
         shutil.copytree(ROOT / folder, src / folder, ignore=skip)
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -50,6 +56,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
         capture_output=True,
         timeout=300,
+        env=clean_env(),
     )
     (built,) = (tmp / "dist").glob("kvown-*.whl")
     return built
@@ -86,7 +93,7 @@ def test_the_editable_install_maps_kvown_kernels_and_installs_no_kernels(tmp_pat
         capture_output=True,
         text=True,
         timeout=60,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        env=clean_env(),
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", str(ROOT / "kernels" / "__init__.py"), "kvown.kernels._kv_host"]
@@ -98,10 +105,10 @@ def test_kvown_installs_and_imports_beside_hugging_faces_kernels(wheel: Path, tm
     """A clean venv with Hugging Face's ``kernels`` (from the registry) and kvown's wheel: both import,
     each from its own files, kvown's host extension and CUDA sources included."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, env=clean_env())
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, HF_KERNELS], check=True, timeout=300)
-    subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=120)
+    subprocess.run([*pip, HF_KERNELS], check=True, timeout=300, env=clean_env())
+    subprocess.run([*pip, "--no-deps", str(wheel)], check=True, timeout=120, env=clean_env())
     probe = (
         "import kernels, kvown.kernels, kvown.kernels.errors as e, kvown.kernels._kv_host as h, "
         "kvown.kernels.cuda_loader as c; import importlib.metadata as m\n"
@@ -111,7 +118,8 @@ def test_kvown_installs_and_imports_beside_hugging_faces_kernels(wheel: Path, tm
         "print(kernels.__file__); print(kvown.kernels.__file__)"
     )
     done = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [str(venv / "bin" / "python"), "-c", probe],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env(),
     )
     assert done.returncode == 0, done.stderr
     hf, ours = done.stdout.split()
@@ -177,17 +185,20 @@ def test_the_wheel_alone_is_the_runtime_and_doctor_names_the_missing_extras(whee
     """A clean venv with kvown's wheel and its base dependencies only (versions from the lock file): the
     runtime imports, no web stack or plotting library came with it, and ``kvown doctor`` names each extra."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, env=clean_env())
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "-c", str(ROOT / "requirements.lock"), str(wheel)], check=True, timeout=1200)
+    lock = str(ROOT / "requirements.lock")
+    subprocess.run([*pip, "-c", lock, str(wheel)], check=True, timeout=1200, env=clean_env())
     probe = ("import importlib.util as u, kvown, kvown.rank, kvown.runtime.stack\n"
              "print([m for m in ('fastapi', 'uvicorn', 'httpx', 'matplotlib', 'tqdm', 'zmq') if u.find_spec(m)])")
-    done = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=clean_env()
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     done = subprocess.run([str(venv / "bin" / "kvown"), "doctor", "--json"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=clean_env())
     import json
 
     checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}

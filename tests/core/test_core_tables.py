@@ -46,6 +46,7 @@ LedgerStates.TestCase.settings = SETTINGS
 TestLedgerStates = pytest.mark.timeout(60)(LedgerStates.TestCase)
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(60)
 def test_the_retirement_check_catches_a_guard_that_ignores_claims(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the guard retires whenever the outcome allows it, unsettled writers or not."""
@@ -63,6 +64,7 @@ def test_the_retirement_check_catches_a_guard_that_ignores_claims(monkeypatch: p
         ledger.cancel()
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(60)
 def test_the_state_check_catches_a_guard_that_never_delivers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: a completed, unreleased session is put in DRAINING (the consumer would never be told)."""

@@ -244,6 +244,7 @@ def test_sender_session_pair(state: SxState, kind: SxInput) -> None:
     assert repr(s.sessions[1]) == before
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(10)
 def test_the_sender_guard_catches_a_step_outside_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: a local cancel that forgets to conclude a session with nothing posted - it would stay

@@ -22,6 +22,7 @@ CONFIG = TransferConfig(transfer_timeout_s=10e-6, grace_s=10e-6, control_retry_s
                         aux_slot_nbytes=8, metrics_port=0, canary=True)
 
 
+@pytest.mark.interpreted_only
 def test_a_violation_names_its_oracle_class_and_tag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SenderCore, "_source_ready", lambda self, s, op: True)  # post_before_source_ready
     with pytest.raises(InvariantViolation) as caught:
@@ -73,6 +74,7 @@ def test_the_oracles_watch_a_driver_pair_and_pass_the_clean_code() -> None:
     assert retired and tally.violations == []
 
 
+@pytest.mark.interpreted_only
 def test_the_retirement_oracle_catches_a_pair_that_settles_an_in_doubt_write_on_its_ack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
