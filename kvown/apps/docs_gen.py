@@ -52,6 +52,12 @@ def _to(states: frozenset) -> str:
     return ", ".join(f"`{st.value}`" for st in sorted(states, key=lambda st: list(type(st)).index(st)))
 
 
+def _edges(table: dict, head: str = "input", to=_to) -> list[str]:
+    """A (from, input) -> to table as markdown rows, in the table's own order."""
+    rows = [f"| `{a.value}` | `{i.value}` | {to(b)} |" for (a, i), b in table.items()]
+    return [f"| from | {head} | to |", "|---|---|---|", *rows]
+
+
 def _receiver() -> list[str]:
     rx_inputs = list(receiver.RxInput)
     peer = ", ".join(f"`{i.value}`" for i in sorted(receiver.PEER_INPUTS, key=lambda i: i.value))
@@ -75,8 +81,7 @@ def _receiver() -> list[str]:
             cells.append(f"`{t.handler}` → {_to(t.to)}" if t is not None else "")
         out.append(f"| `{st.value}` | " + " | ".join(cells) + " |")
     out += ["", "Time (`RX_TIMER_TRANSITIONS`; any other (state, timer) pair is our bug: `InvariantViolation`):", "",
-            *_states(receiver.RxTimer, "timer"), "", "| from | timer | to |", "|---|---|---|"]
-    out += [f"| `{a.value}` | `{i.value}` | {_to(b)} |" for (a, i), b in receiver.RX_TIMER_TRANSITIONS.items()]
+            *_states(receiver.RxTimer, "timer"), "", *_edges(receiver.RX_TIMER_TRANSITIONS, "timer")]
     return out
 
 
@@ -91,11 +96,7 @@ def _sender_session() -> list[str]:
         "",
         *_states(sender.SxInput, "input"),
         "",
-        "| from | input | to |",
-        "|---|---|---|",
-    ]
-    out += [f"| `{a.value}` | `{i.value}` | {_to(b)} |" for (a, i), b in sender.SX_TRANSITIONS.items()]
-    out += [
+        *_edges(sender.SX_TRANSITIONS),
         "",
         "`SenderCore._sx_guard` checks every step against the table (a step outside it is our bug:",
         "`InvariantViolation`). Any other (state, input) pair is illegal: a local input raises",
@@ -119,11 +120,7 @@ def render() -> str:
         "",
         *_states(sender.OpState),
         "",
-        "| from | input | to |",
-        "|---|---|---|",
-    ]
-    out += [f"| `{a.value}` | `{i.value}` | `{b.value}` |" for (a, i), b in sender.OP_TRANSITIONS.items()]
-    out += [
+        *_edges(sender.OP_TRANSITIONS, to=lambda b: f"`{b.value}`"),
         "",
         "Any other (state, input) pair raises `LocalProtocolError` and leaves the operation unchanged.",
         "",
