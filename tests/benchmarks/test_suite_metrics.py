@@ -1,0 +1,39 @@
+"""The suite's headline CPU figures (issue 19): kvown's own CPU per session is the engine's CPU minus the
+time inside NIXL calls, per side, and the target is judged on it; the total stays reported beside it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvown.apps.benchmarks import suite
+
+
+def raw_cost(sender_engine_us: float, sender_nixl_us: float) -> dict:
+    side = {"engine_cpu_us": 0.0, "nixl_cpu_us": 0.0, "python_cpu_us": 0.0}
+    sender = {"engine_cpu_us": sender_engine_us, "nixl_cpu_us": sender_nixl_us,
+              "python_cpu_us": round(sender_engine_us - sender_nixl_us, 1)}
+    return {"cost": {
+        "engine": {"max_side_cpu_us": sender_engine_us, "sender_cpu_us": sender_engine_us,
+                   "receiver_cpu_us": 90.0, "control_frames": 3.0},
+        "engine_breakdown": {"sender": sender, "receiver": {**side, "engine_cpu_us": 90.0,
+                                                            "nixl_cpu_us": 60.0, "python_cpu_us": 30.0}},
+    }}
+
+
+@pytest.mark.timeout(10)
+def test_kvown_cpu_excludes_nixl_and_carries_the_target() -> None:
+    metrics = suite.metrics_of(raw_cost(sender_engine_us=100.0, sender_nixl_us=70.0))
+    assert metrics["kvown_cpu_us_per_session_sender"] == 30.0
+    assert metrics["kvown_cpu_us_per_session_receiver"] == 30.0
+    assert metrics["kvown_cpu_us_per_session"] == 30.0
+    assert metrics["engine_cpu_us_per_session"] == 100.0  # the total, reported beside it
+    verdict = suite.judge(metrics)
+    assert verdict["kvown_cpu_us_per_session"]["met"] is True
+    assert "engine_cpu_us_per_session" not in verdict  # the total is not what the target is about
+
+
+@pytest.mark.timeout(10)
+def test_a_side_over_forty_microseconds_misses_the_target() -> None:
+    metrics = suite.metrics_of(raw_cost(sender_engine_us=100.0, sender_nixl_us=50.0))
+    assert metrics["kvown_cpu_us_per_session"] == 50.0
+    assert suite.judge(metrics)["kvown_cpu_us_per_session"]["met"] is False
