@@ -658,9 +658,10 @@ def _batch(src: int, dst: int, seq: int, *items: Any, flags: int = 0) -> bytes:
 
 def seeds() -> dict[str, dict[str, bytes]]:
     """target -> {file name: bytes}. ``python -m kvown.testing.fuzz --write-seeds`` writes them."""
-    from kvown.adapters import rendezvous as rv
+    return {"frame": _frame_seeds(), "core": _core_seeds(), "peer_info": _peer_info_seeds(), **_rendezvous_seeds()}
 
-    out: dict[str, dict[str, bytes]] = {}
+
+def _frame_seeds() -> dict[str, bytes]:
     frame = {f"{k}_gap": v for k, v in _every_kind(0, 3).items()}  # fills rank 0's gap
     frame.update({f"{k}_held": v for k, v in _every_kind(2, 2).items()})  # held behind rank 2's gap
     frame["replay"] = _every_kind(0, 1)["watermark"]
@@ -675,8 +676,10 @@ def seeds() -> dict[str, dict[str, bytes]]:
     frame["carried_not_final"] = _batch(0, LOCAL, 0, KvResult(0, RID_ACTIVE, 0, False, ResultStatus.SUCCESS, 0),
                                         flags=FLAG_CARRIED)
     frame["carried_two"] = _batch(0, LOCAL, 0, kv, kv, flags=FLAG_CARRIED)
-    out["frame"] = frame
+    return frame
 
+
+def _core_seeds() -> dict[str, bytes]:
     core = {k: join_frames([v]) for k, v in _every_kind(0, 0).items()}
     rid = RID_ACTIVE
     core["writer0_result_then_quiesced"] = join_frames([
@@ -700,7 +703,8 @@ def seeds() -> dict[str, dict[str, bytes]]:
         _body(3, LOCAL, 0, RequestData(RID_SEND_WAITING, 3, (1, 2, 3, 4), 0, 1, -1)),
         _body(3, LOCAL, 1, CancelSession(RID_SEND_WAITING, 3)),
     ])
-    # Every live session meets each message its side accepts, from a writer or receiver it knows.
+    # Every live session meets each message its side accepts, from a writer or receiver it knows. The
+    # seeds after these loops name the last id they bound (RID_FENCED): the checked-in corpus has them so.
     for rid, writer in ((RID_ACTIVE, 2), (RID_DRAINING, 0), (RID_DELIVERED, 2), (RID_PUBLISHING, 3)):
         core[f"rx_{rid & 0xFF:02x}_result"] = join_frames([
             _body(writer, LOCAL, 0, KvResult(writer, rid, 0, True, ResultStatus.SUCCESS, 4096))])
@@ -725,12 +729,14 @@ def seeds() -> dict[str, dict[str, bytes]]:
         _body(0, LOCAL, 1, SessionQuiesced(0, rid)),
         _body(0, LOCAL, 0, KvResult(0, rid, 0, True, ResultStatus.FAILED, 0)),
     ])
-    out["core"] = core
+    return core
 
+
+def _peer_info_seeds() -> dict[str, bytes]:
     from kvown.adapters.transport import Role
 
     layout = _layout()
-    out["peer_info"] = {
+    return {
         "valid": peer_info_seed(layout),
         "two_roles": peer_info_seed(layout, rank=3, roles=frozenset(Role)),
         "other_geometry": peer_info_seed(layout, geometry_digest="ab" * 32),
@@ -738,6 +744,12 @@ def seeds() -> dict[str, dict[str, bytes]]:
         "missing_capability": peer_info_seed(layout, capabilities=("session_quiesced",)),
         "not_a_list": msgpack.packb({"rank": 0}),
     }
+
+
+def _rendezvous_seeds() -> dict[str, dict[str, bytes]]:
+    from kvown.adapters import rendezvous as rv
+
+    out: dict[str, dict[str, bytes]] = {}
 
     def req(body: dict) -> bytes:
         return b"\x01" + msgpack.packb(body, use_bin_type=True)

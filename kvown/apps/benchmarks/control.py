@@ -69,8 +69,81 @@ def _nixl_target(conn: Any, deadline_s: float) -> None:
     conn.send("deadline")
 
 
+class _Initiator:
+    """The initiating side of the NIXL control benchmark: one endpoint, one peer, one deadline."""
+
+    def __init__(self, ep: Any, peer: Any, deadline_s: float) -> None:
+        self.ep, self.peer = ep, peer
+        self.end = time.monotonic() + deadline_s
+
+    def wait_notif(self, want: bytes, limit_s: float | None = None) -> None:
+        stop = self.end if limit_s is None else min(self.end, time.monotonic() + limit_s)
+        while time.monotonic() < stop:
+            for _, msg in self.ep.drain_notifs():
+                if msg == want:
+                    return
+        raise TimeoutError(f"no {want[:16]!r} before the deadline")
+
+    def ping_rtt(self, n: int) -> list[int]:
+        rtt = []
+        for i in range(n):
+            t0 = time.perf_counter_ns()
+            self.ep.send_notif(self.peer, b"p%d" % i)
+            self.wait_notif(b"a%d" % i)
+            rtt.append(time.perf_counter_ns() - t0)
+        return rtt
+
+    def write_lat(self, post: Any, n: int) -> tuple[list[int], int]:
+        from kvown.adapters.nixl import XferStatus
+
+        lat, descs = [], 0
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            h = post()
+            while self.ep.poll(h) is XferStatus.IN_PROGRESS and time.monotonic() < self.end:
+                self.ep.drain_notifs()
+            lat.append(time.perf_counter_ns() - t0)
+            if h.status is not XferStatus.DONE:
+                raise RuntimeError(f"WRITE ended {h.status}: {h.error}")
+            descs = h.num_descs
+            self.ep.release(h)
+        return lat, descs
+
+    def variants(self, laddr: int, raddr: int, size: int, preps: tuple[Any, Any]) -> dict[str, Any]:
+        """How one WRITE of ``size`` bytes can be posted: each a zero-argument poster."""
+        from kvown.adapters.nixl import MemKind
+
+        ep, peer, bs, nb = self.ep, self.peer, 4 * KIB, size // (4 * KIB)
+        lp, rp = preps
+        contig_l = [(laddr + i * bs, bs) for i in range(nb)]
+        idx = np.arange(nb, dtype=np.int32)
+        return {
+            "one_desc": lambda: ep.post_write(peer, [(laddr, size)], [(raddr, size)], MemKind.DRAM),
+            "4k_ranges_coalesced": lambda: ep.post_write(
+                peer, contig_l, [(raddr + i * bs, bs) for i in range(nb)], MemKind.DRAM),
+            "4k_ranges_scattered": lambda: ep.post_write(
+                peer, contig_l, [(raddr + 2 * i * bs, bs) for i in range(nb)], MemKind.DRAM),
+            "prepped_contiguous_idx": lambda: ep.post_write_blocks(peer, lp, idx, rp, idx),
+            "prepped_scattered_idx": lambda: ep.post_write_blocks(
+                peer, lp, idx, rp, np.arange(0, 2 * nb, 2, dtype=np.int32)),
+        }
+
+    def largest_notif(self, out: dict[str, Any]) -> int:
+        """The library directly: kvown itself caps payloads at MAX_NOTIF_NBYTES."""
+        largest = 0
+        for size in NOTIF_SIZES:
+            try:
+                self.ep._agent.send_notif(self.peer, b"s" + bytes(size - 1))
+                self.wait_notif(b"z%d" % size, limit_s=10.0)
+            except Exception as e:
+                out["notif_error"] = f"{size}: {type(e).__name__}: {e}"
+                break
+            largest = size
+        return largest
+
+
 def _nixl_initiator(conn: Any, iters: int, deadline_s: float, full: bool) -> None:
-    from kvown.adapters.nixl import MemKind, NixlEndpoint, XferStatus
+    from kvown.adapters.nixl import MemKind, NixlEndpoint
 
     ep = NixlEndpoint(f"bench-init-{os.getpid()}")
     src = np.ones(BUF_NBYTES, dtype=np.uint8)
@@ -79,84 +152,24 @@ def _nixl_initiator(conn: Any, iters: int, deadline_s: float, full: bool) -> Non
     peer = ep.add_peer(tmd)
     conn.send(ep.metadata())
     laddr = src.ctypes.data
-    end = time.monotonic() + deadline_s
-    pc = time.perf_counter_ns
+    run = _Initiator(ep, peer, deadline_s)
     out: dict[str, Any] = {}
-
-    def wait_notif(want: bytes, limit_s: float | None = None) -> None:
-        stop = end if limit_s is None else min(end, time.monotonic() + limit_s)
-        while time.monotonic() < stop:
-            for _, msg in ep.drain_notifs():
-                if msg == want:
-                    return
-        raise TimeoutError(f"no {want[:16]!r} before the deadline")
-
-    def ping_rtt(n: int) -> list[int]:
-        rtt = []
-        for i in range(n):
-            t0 = pc()
-            ep.send_notif(peer, b"p%d" % i)
-            wait_notif(b"a%d" % i)
-            rtt.append(pc() - t0)
-        return rtt
-
-    ping_rtt(100)  # warm up the connection
-    out["notif_rtt"] = _pct(ping_rtt(iters))
-
-    def write_lat(post: Any, n: int) -> tuple[list[int], int]:
-        lat, descs = [], 0
-        for _ in range(n):
-            t0 = pc()
-            h = post()
-            while ep.poll(h) is XferStatus.IN_PROGRESS and time.monotonic() < end:
-                ep.drain_notifs()
-            lat.append(pc() - t0)
-            if h.status is not XferStatus.DONE:
-                raise RuntimeError(f"WRITE ended {h.status}: {h.error}")
-            descs = h.num_descs
-            ep.release(h)
-        return lat, descs
-
-    sizes = SIZES if full else SIZES[:1]
+    run.ping_rtt(100)  # warm up the connection
+    out["notif_rtt"] = _pct(run.ping_rtt(iters))
     bs = 4 * KIB
-    lp = ep.prep_blocks(laddr, bs, BUF_NBYTES // bs, MemKind.DRAM)
-    rp = ep.prep_blocks(raddr, bs, BUF_NBYTES // bs, MemKind.DRAM, peer=peer)
+    preps = (ep.prep_blocks(laddr, bs, BUF_NBYTES // bs, MemKind.DRAM),
+             ep.prep_blocks(raddr, bs, BUF_NBYTES // bs, MemKind.DRAM, peer=peer))
     writes: dict[str, Any] = {}
-    for size in sizes:
-        nb = size // bs
-        n = iters if nb <= 16 else max(100, iters // 8)
-        contig_l = [(laddr + i * bs, bs) for i in range(nb)]
-        variants = {
-            "one_desc": lambda size=size: ep.post_write(peer, [(laddr, size)], [(raddr, size)], MemKind.DRAM),
-            "4k_ranges_coalesced": lambda cl=contig_l, nb=nb: ep.post_write(
-                peer, cl, [(raddr + i * bs, bs) for i in range(nb)], MemKind.DRAM),
-            "4k_ranges_scattered": lambda cl=contig_l, nb=nb: ep.post_write(
-                peer, cl, [(raddr + 2 * i * bs, bs) for i in range(nb)], MemKind.DRAM),
-            "prepped_contiguous_idx": lambda nb=nb: ep.post_write_blocks(
-                peer, lp, np.arange(nb, dtype=np.int32), rp, np.arange(nb, dtype=np.int32)),
-            "prepped_scattered_idx": lambda nb=nb: ep.post_write_blocks(
-                peer, lp, np.arange(nb, dtype=np.int32), rp, np.arange(0, 2 * nb, 2, dtype=np.int32)),
-        }
-        if not full:
-            variants = {"one_desc": variants["one_desc"]}
-        for name, post in variants.items():
-            write_lat(post, 20)  # warm-up
-            lat, descs = write_lat(post, n)
+    for size in SIZES if full else SIZES[:1]:
+        n = iters if size // bs <= 16 else max(100, iters // 8)
+        variants = run.variants(laddr, raddr, size, preps)
+        for name, post in variants.items() if full else [("one_desc", variants["one_desc"])]:
+            run.write_lat(post, 20)  # warm-up
+            lat, descs = run.write_lat(post, n)
             writes[f"{size // KIB}KiB/{name}"] = {**_pct(lat), "descs": descs}
     out["write_post_to_done"] = writes
-
-    if full:  # the library directly: kvown itself caps payloads at MAX_NOTIF_NBYTES
-        largest = 0
-        for size in NOTIF_SIZES:
-            try:
-                ep._agent.send_notif(peer, b"s" + bytes(size - 1))
-                wait_notif(b"z%d" % size, limit_s=10.0)
-            except Exception as e:
-                out["notif_error"] = f"{size}: {type(e).__name__}: {e}"
-                break
-            largest = size
-        out["largest_notif_nbytes_ok"] = largest
-
+    if full:
+        out["largest_notif_nbytes_ok"] = run.largest_notif(out)
     ep.send_notif(peer, b"q")
     ep.close()
     conn.send(out)
