@@ -166,6 +166,26 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 def validate(data: dict[str, Any], limits: Limits) -> Job:
     """Turn a parsed body into a ``Job``. After error: ``ApiError`` naming ``param``; nothing changed."""
+    req = _parsed(data)
+    if req.model is not None and req.model != limits.model_name:
+        raise ApiError(404, f"The model '{req.model}' does not exist", param="model", code="model_not_found")
+    ids = _prompt_ids(req, limits)
+    stop = _checked_sampling(req, len(ids), limits)
+    seed = req.seed if req.seed is not None else secrets.randbits(62)  # fixed here, so every server agrees
+    return Job(
+        tuple(ids),
+        req.max_tokens,
+        float(req.temperature),
+        float(req.top_p),
+        seed,
+        req.stream,
+        bool((req.stream_options or {}).get("include_usage")),
+        stop,
+    )
+
+
+def _parsed(data: dict[str, Any]) -> CompletionRequest:
+    """The body as a ``CompletionRequest``; pydantic's first complaint as an ``ApiError``."""
     try:
         req = CompletionRequest.model_validate(data)
     except ValidationError as error:
@@ -181,8 +201,11 @@ def validate(data: dict[str, Any], limits: Limits) -> Job:
         raise ApiError(
             400, f"Invalid value for '{param}': {first['msg']}", param=param, code="invalid_type"
         ) from None
-    if req.model is not None and req.model != limits.model_name:
-        raise ApiError(404, f"The model '{req.model}' does not exist", param="model", code="model_not_found")
+    return req
+
+
+def _prompt_ids(req: CompletionRequest, limits: Limits) -> list[int]:
+    """The prompt's token ids (one prompt: text through the byte tokenizer, or ids 0..255)."""
     if isinstance(req.prompt, list) and isinstance(req.prompt[0], str):
         if len(req.prompt) != 1:
             raise ApiError(
@@ -206,12 +229,17 @@ def validate(data: dict[str, Any], limits: Limits) -> Job:
             param="prompt",
             code="context_length_exceeded",
         )
+    return ids
+
+
+def _checked_sampling(req: CompletionRequest, num_ids: int, limits: Limits) -> tuple[str, ...]:
+    """Length, sampling and stream options within their ranges; the stop strings as a tuple."""
     if req.max_tokens <= 0:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens", code="invalid_value")
-    if len(ids) + req.max_tokens > limits.max_model_len:
+    if num_ids + req.max_tokens > limits.max_model_len:
         raise ApiError(
             400,
-            f"prompt ({len(ids)}) + max_tokens ({req.max_tokens}) exceeds the context of "
+            f"prompt ({num_ids}) + max_tokens ({req.max_tokens}) exceeds the context of "
             f"{limits.max_model_len} tokens",
             param="max_tokens",
             code="context_length_exceeded",
@@ -239,17 +267,7 @@ def validate(data: dict[str, Any], limits: Limits) -> Job:
             param="stream_options",
             code="invalid_value",
         )
-    seed = req.seed if req.seed is not None else secrets.randbits(62)  # fixed here, so every server agrees
-    return Job(
-        tuple(ids),
-        req.max_tokens,
-        float(req.temperature),
-        float(req.top_p),
-        seed,
-        req.stream,
-        bool((req.stream_options or {}).get("include_usage")),
-        stop,
-    )
+    return stop
 
 
 class StopMatcher:

@@ -124,36 +124,7 @@ class Server:
             min(config.max_prompt_tokens, config.model.max_model_len - 1),
         )
         self.started_ns = time.time_ns()
-        self.link: Link | None = None
-        if config.role != "single" and config.link == "kvown":
-            from kvown.apps.serve.kvownlink import KvownLink
-
-            if config.etcd is None or config.kvown_rank < 0:
-                raise KvownError("the kvown link needs --etcd and --rank", field="kvown_rank")
-            self.link = KvownLink(
-                config.name,
-                self.cache,
-                on_returned=self._link_returned,
-                etcd=config.etcd,
-                cluster=config.cluster,
-                rank=config.kvown_rank,
-                role=config.role,
-                rank_of=self._rank_of,
-                publish_timeout_s=config.publish_timeout_s,
-                transfer_timeout_s=config.landing_timeout_s,
-                slow_writes_ms=round(config.link_pace_s * 1000),
-                lease_ttl_s=config.lease_ttl_s,
-            )
-        elif config.role != "single":
-            self.link = KVLink(
-                config.name,
-                self.cache,
-                on_returned=self._link_returned,
-                resolve=self._resolve,
-                host=config.host,
-                publish_timeout_s=config.publish_timeout_s,
-            )
-            self.link.pace_s = config.link_pace_s
+        self.link: Link | None = self._open_link(config)
         self.directory: PrefixWatcher | None = None
         self.registration: Registration | None = None
         self.inflight = 0
@@ -180,6 +151,41 @@ class Server:
         self.app = self._build_app()
 
     # --------------------------------------------------------------------------------- plumbing
+
+    def _open_link(self, config: ServeConfig) -> Link | None:
+        """The KV link of a prefill or decode server (kvown's, or the loopback one); none when single."""
+        if config.role != "single" and config.link == "kvown":
+            from kvown.apps.serve.kvownlink import KvownLink
+
+            if config.etcd is None or config.kvown_rank < 0:
+                raise KvownError("the kvown link needs --etcd and --rank", field="kvown_rank")
+            return KvownLink(
+                config.name,
+                self.cache,
+                on_returned=self._link_returned,
+                etcd=config.etcd,
+                cluster=config.cluster,
+                rank=config.kvown_rank,
+                role=config.role,
+                rank_of=self._rank_of,
+                publish_timeout_s=config.publish_timeout_s,
+                transfer_timeout_s=config.landing_timeout_s,
+                slow_writes_ms=round(config.link_pace_s * 1000),
+                lease_ttl_s=config.lease_ttl_s,
+            )
+        if config.role != "single":
+            link = KVLink(
+                config.name,
+                self.cache,
+                on_returned=self._link_returned,
+                resolve=self._resolve,
+                host=config.host,
+                publish_timeout_s=config.publish_timeout_s,
+            )
+            link.pace_s = config.link_pace_s
+            return link
+        return None
+
     def collect(self) -> Any:
         blocks = GaugeMetricFamily("kvown_serve_kv_blocks", "KV blocks by allocator state", labels=["state"])
         for state, n in self.alloc.statistics().items():
@@ -325,60 +331,73 @@ class Server:
 
         Ownership: takes over ``req``: whatever happens, ``_finish(req)`` runs exactly once.
         """
-        created, n_prompt, model_name = api.now_s(), len(job.prompt_ids), self.config.model_name
+        created = api.now_s()
 
         async def tokens() -> AsyncIterator[int]:
             yield first
             tok = first
             for step in range(1, job.max_tokens):
-                logits = await self._forward(req, [tok], n_prompt + step - 1, table)
+                logits = await self._forward(req, [tok], len(job.prompt_ids) + step - 1, table)
                 tok = sample(logits, temperature=job.temperature, top_p=job.top_p, seed=job.seed, step=step)
                 yield tok
 
         self.inflight += 1
         if job.stream:
-            settled = False
+            return self._stream(job, req, tokens, t0, created)
+        return await self._whole(job, req, tokens, request, t0, created)
 
-            def settle(outcome: str) -> None:  # once per request, from the body or from on_close
-                nonlocal settled
-                if not settled:
-                    settled = True
-                    self.requests.labels(outcome).inc()
-                    self.inflight -= 1
-                self._finish(req)
+    def _stream(
+        self, job: api.Job, req: _Req, tokens: Callable[[], AsyncIterator[int]], t0: float, created: int
+    ) -> Response:
+        """The streamed answer of ``_respond``: settles the request once, from the body or on close."""
+        n_prompt, model_name = len(job.prompt_ids), self.config.model_name
+        settled = False
 
-            async def body() -> AsyncIterator[bytes]:
-                outcome = "cancelled"
-                try:
-                    stop, count, finish = api.StopMatcher(job.stop), 0, "length"
-                    async for tok in tokens():
-                        count += 1
-                        text = stop.feed(chr(tok))
-                        if count == 1:
-                            self.ttft.observe(time.perf_counter() - t0)
-                        if text:
-                            yield api.chunk(req.request_id, model_name, text, None, created)
-                        if stop.stopped:
-                            finish = "stop"
-                            break
-                    req.completed = True
-                    self._finish(req)  # the blocks are free before the last bytes go out
-                    self.generated.inc(count)
-                    yield api.chunk(req.request_id, model_name, stop.flush(), finish, created)
-                    if job.include_usage:
-                        yield api.usage_chunk(req.request_id, model_name, created, n_prompt, count)
-                    yield b"data: [DONE]\n\n"
-                    outcome = "completed"
-                except (KvownError, RuntimeError) as error:  # a model failure mid-stream
-                    outcome = "failed"
-                    yield api.error_chunk(
-                        api.ApiError(500, f"generation failed: {error}", kind="server_error")
-                    )
-                finally:
-                    settle(outcome)
+        def settle(outcome: str) -> None:  # once per request, from the body or from on_close
+            nonlocal settled
+            if not settled:
+                settled = True
+                self.requests.labels(outcome).inc()
+                self.inflight -= 1
+            self._finish(req)
 
-            return ClosingStream(body(), on_close=lambda: settle("cancelled"), media_type="text/event-stream")
+        async def body() -> AsyncIterator[bytes]:
+            outcome = "cancelled"
+            try:
+                stop, count, finish = api.StopMatcher(job.stop), 0, "length"
+                async for tok in tokens():
+                    count += 1
+                    text = stop.feed(chr(tok))
+                    if count == 1:
+                        self.ttft.observe(time.perf_counter() - t0)
+                    if text:
+                        yield api.chunk(req.request_id, model_name, text, None, created)
+                    if stop.stopped:
+                        finish = "stop"
+                        break
+                req.completed = True
+                self._finish(req)  # the blocks are free before the last bytes go out
+                self.generated.inc(count)
+                yield api.chunk(req.request_id, model_name, stop.flush(), finish, created)
+                if job.include_usage:
+                    yield api.usage_chunk(req.request_id, model_name, created, n_prompt, count)
+                yield b"data: [DONE]\n\n"
+                outcome = "completed"
+            except (KvownError, RuntimeError) as error:  # a model failure mid-stream
+                outcome = "failed"
+                yield api.error_chunk(
+                    api.ApiError(500, f"generation failed: {error}", kind="server_error")
+                )
+            finally:
+                settle(outcome)
 
+        return ClosingStream(body(), on_close=lambda: settle("cancelled"), media_type="text/event-stream")
+
+    async def _whole(
+        self, job: api.Job, req: _Req, tokens: Callable[[], AsyncIterator[int]], request: Request, t0: float,
+        created: int,
+    ) -> Response:
+        """The non-streamed answer of ``_respond``: one JSON body, the request settled in ``finally``."""
         outcome = "cancelled"
         try:
             stop, count, finish = api.StopMatcher(job.stop), 0, "length"
@@ -395,9 +414,9 @@ class Server:
             self.generated.inc(count)
             self.ttft.observe(time.perf_counter() - t0)
             outcome = "completed"
-            return JSONResponse(
-                api.completion(req.request_id, model_name, stop.text, finish, n_prompt, count, created)
-            )
+            return JSONResponse(api.completion(
+                req.request_id, self.config.model_name, stop.text, finish, len(job.prompt_ids), count, created
+            ))
         except (KvownError, RuntimeError) as error:
             outcome = "failed"
             raise api.ApiError(500, f"generation failed: {error}", kind="server_error") from None
