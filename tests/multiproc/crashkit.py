@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from worldkit import ROOT, WORLDS, mpirun
 
 from kvown.adapters.mpi import process_alive
+from kvown.adapters.mpirun import kill_session
 from kvown.runtime.flight import read_flight_file
 
 WORLD = WORLDS / "crash_world.py"
@@ -69,7 +69,7 @@ def run_cell(
     try:
         output = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)  # the launcher and its ranks (each in a process group of its own)
         output = proc.communicate()[0]
     if crash is None and (tmp_path / "crash.json").exists():
         crash = json.loads((tmp_path / "crash.json").read_text())

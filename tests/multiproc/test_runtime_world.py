@@ -13,6 +13,7 @@ import pytest
 from worldkit import ROOT, WORLDS, mpirun
 
 from kvown.adapters.mpi import process_alive
+from kvown.adapters.mpirun import kill_session
 
 WORLD = WORLDS / "runtime_world.py"
 BOUND_S = 60.0
@@ -37,10 +38,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = BOUND_S) -> str:
     try:
         return proc.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:
-        import os
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)  # the launcher and every rank: they are not in its process group
         pytest.fail("the world hung:\n" + (proc.communicate()[0] or "")[-4000:])
 
 
@@ -109,9 +107,6 @@ def test_without_the_exit_hooks_the_world_hangs(tmp_path):
     the world is not always left hanging: a CI run saw every rank gone within 4 s (its output was not
     kept; rank 0 dying in its interpreter teardown would do it). Such a world did not end through
     kvown's kill, and the check above rejects the mutant for that too."""
-    import os
-    import signal
-
     proc, _, _ = launch("raise", 3, tmp_path, KVOWN_RANK_CRASH_GRACE_S="1", KVOWN_TEST_MUTANT="no-exit-hooks")
     deadline = time.monotonic() + BOUND_S
     while time.monotonic() < deadline and "raise_ns" not in reports(tmp_path, 3).get(0, {}):
@@ -120,7 +115,7 @@ def test_without_the_exit_hooks_the_world_hangs(tmp_path):
     time.sleep(4.0)
     alive = [p for p in pids if process_alive(p)]
     if alive:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
     output = finish(proc, 10)
     assert len(pids) == 3, output[-3000:]
     assert alive or not killed_by_kvown(tmp_path), (

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvown.adapters.mpirun import kill_session
+
 ROOT = Path(__file__).resolve().parents[2]
 WORLDS = Path(__file__).resolve().parent / "worlds"
 
@@ -23,7 +25,12 @@ def mpirun(n: int) -> list[str]:
 
 def run(cmd: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", NIXL_LOG_LEVEL="WARN", **(env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=ROOT,
+                            start_new_session=True)
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"world did not finish in {timeout_s} s: {cmd}\n{exc.stdout}\n{exc.stderr}")
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)  # mpirun and every rank (each rank sits in a process group of its own)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"world did not finish in {timeout_s} s: {cmd}\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
