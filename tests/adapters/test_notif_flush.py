@@ -78,13 +78,9 @@ def _nixl_or_skip() -> None:
     pytest.importorskip("nixl")
 
 
-@pytest.mark.timeout(120)
-def test_real_notifications_wait_for_the_senders_progress_and_close_flushes_them() -> None:
-    """Real NIXL/UCX, no progress thread: a burst of 800 x 20 KB notifications sent without
-    progressing the sender (measured here: about a fifth stay in UCX); the receiver drains in its own
-    thread meanwhile. 1 MiB ones do not show it: UCX pushes those out inside the send call."""
-    _nixl_or_skip()
-    n, size = 800, 20_000
+def _real_burst(n: int, size: int) -> tuple[int, int]:
+    """One real sender/receiver pair: ``n`` notifications of ``size`` bytes sent without progressing
+    the sender, a 1.5 s nap, then ``close``. Returns (arrived while it napped, arrived in all)."""
     a = NixlEndpoint(f"flush-real-a{time.monotonic_ns()}")
     ready, stop = threading.Event(), threading.Event()
     box: dict[str, object] = {"count": 0}
@@ -123,5 +119,22 @@ def test_real_notifications_wait_for_the_senders_progress_and_close_flushes_them
         time.sleep(0.01)
     stop.set()
     t.join(30)
-    assert while_napping < n, "the fake's in_flight knob claims more than real UCX does"
-    assert box["count"] == n
+    return while_napping, int(box["count"])  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(180)
+def test_real_notifications_wait_for_the_senders_progress_and_close_flushes_them() -> None:
+    """Real NIXL/UCX, no progress thread: bursts of 800 x 20 KB notifications sent without
+    progressing the sender (measured here: usually about a fifth stay in UCX); the receiver drains in
+    its own thread meanwhile. Whether a burst backs up depends on the socket buffers of the moment (a
+    CI run saw all 800 leave), so up to three bursts are sent until one does; every burst must arrive
+    in full after ``close``. 1 MiB ones do not show it: UCX pushes those out inside the send call."""
+    _nixl_or_skip()
+    n, size = 800, 20_000
+    bursts = []
+    for _ in range(3):
+        bursts.append(_real_burst(n, size))
+        if bursts[-1][0] < n:
+            break
+    assert all(total == n for _, total in bursts), f"frames lost at close: {bursts}"
+    assert bursts[-1][0] < n, f"no burst stayed in UCX, the fake's in_flight knob is unproven: {bursts}"
