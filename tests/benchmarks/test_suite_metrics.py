@@ -27,6 +27,7 @@ def test_kvown_cpu_excludes_nixl_and_carries_the_target() -> None:
     assert metrics["kvown_cpu_us_per_session_receiver"] == 30.0
     assert metrics["kvown_cpu_us_per_session"] == 30.0
     assert metrics["engine_cpu_us_per_session"] == 100.0  # the total, reported beside it
+    assert metrics["nixl_cpu_us_per_session_sender"] == 70.0  # own + NIXL = the breakdown pass's total
     verdict = suite.judge(metrics)
     assert verdict["kvown_cpu_us_per_session"]["met"] is True
     assert "engine_cpu_us_per_session" not in verdict  # the total is not what the target is about
