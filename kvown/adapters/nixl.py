@@ -41,14 +41,20 @@ from kvown.core.errors import AdapterError, LocalProtocolError
 # process and across two processes over tcp/lo; 1 MiB keeps a margin and still carries block tables of
 # hundreds of thousands of int32s.
 MAX_NOTIF_NBYTES = 1 << 20
-# close() progresses the agent this long first when it ever sent a notification: NIXL's genNotif
-# returns once UCX accepted one, which leaves only while the worker is progressed, and closing cancels
-# what is still in flight (docs/design.md section 16).
+# close() first progresses the agent for this much of its own thread's CPU when it ever sent a
+# notification: NIXL's genNotif returns once UCX accepted one, which leaves only while the worker is
+# progressed, and closing cancels what is still in flight (docs/design.md section 16). CPU time, not wall
+# time: a starved thread gets the same progress as a quiet one; CLOSE_FLUSH_MAX_S of wall time bounds it.
 CLOSE_FLUSH_S = 0.05
+CLOSE_FLUSH_MAX_S = 2.0
 
 
 def _monotonic_ns() -> int:
     return time.monotonic_ns()  # looked up per call, so a test's clock guard sees it
+
+
+def _thread_cpu_ns() -> int:
+    return time.thread_time_ns()
 
 _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side" in prep_xfer_dlist
 
@@ -305,8 +311,8 @@ def _status_of(text: Any) -> XferStatus | None:
 class NixlEndpoint:
     """One NIXL agent for one rank. See the module docstring for the rules."""
 
-    def __init__(self, name: str, *, progress_thread: bool = False,
-                 clock: Callable[[], int] | None = None) -> None:
+    def __init__(self, name: str, *, progress_thread: bool = False, clock: Callable[[], int] | None = None,
+                 cpu_clock: Callable[[], int] | None = None) -> None:
         """Create the agent with the UCX backend.
 
         Called: once per rank at startup, on the thread that will own the endpoint.
@@ -324,7 +330,8 @@ class NixlEndpoint:
         self._ids = itertools.count(1)
         self._closed = False
         self._last_notif_ns: int | None = None  # when send_notif last returned (None: no flush at close)
-        self._clock = clock or _monotonic_ns  # the flush's clock (a fake fabric passes its own)
+        self._clock = clock or _monotonic_ns  # the flush's wall clock (a fake fabric passes its own)
+        self._cpu_clock = cpu_clock or _thread_cpu_ns  # the flush's CPU clock (owner thread's)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:
         try:
@@ -740,23 +747,25 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------------ teardown
 
-    def flush_notifs(self, flush_s: float = CLOSE_FLUSH_S) -> int:
-        """Progress the agent for ``flush_s`` if it ever sent a notification, so notifications NIXL
-        accepted but UCX has not sent yet leave before the peers are dropped (dropping a peer closes its
-        UCX endpoint, which cancels them: NIXL logs "UCX AM send failed with status -16" and loses the
-        frame). NIXL says nothing about what is still in flight, so the flush is timed, from now: a
-        sender that napped since its last send still holds what it held then. Bounded by ``flush_s``.
-        Returns how many notifications arrived meanwhile; they are discarded (the endpoint is closing).
+    def flush_notifs(self, flush_s: float = CLOSE_FLUSH_S, max_s: float = CLOSE_FLUSH_MAX_S) -> int:
+        """Progress the agent for ``flush_s`` of this thread's CPU if it ever sent a notification, so
+        notifications NIXL accepted but UCX has not sent yet leave before the peers are dropped (dropping a
+        peer closes its UCX endpoint, which cancels them: NIXL logs "UCX AM send failed with status -16"
+        and loses the frame). NIXL says nothing about what is still in flight, so the flush is timed, from
+        now (a sender that napped since its last send still holds what it held then), in CPU time: a thread
+        starved by other processes gets as many progress passes as a quiet one. Bounded by ``max_s`` of
+        wall time. Returns how many notifications arrived meanwhile; they are discarded (closing).
 
         Called: by ``close``, owner thread. After error: ``AdapterError(op="get_new_notifs")``.
         """
         if self._last_notif_ns is None or self._closed:
             return 0
-        end_ns = self._clock() + int(flush_s * 1e9)
+        cpu_end_ns = self._cpu_clock() + int(flush_s * 1e9)
+        wall_end_ns = self._clock() + int(max_s * 1e9)
         arrived = 0
         while True:
             arrived += len(self.drain_notifs())
-            if self._clock() >= end_ns:
+            if self._cpu_clock() >= cpu_end_ns or self._clock() >= wall_end_ns:
                 return arrived
 
     def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:

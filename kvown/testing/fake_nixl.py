@@ -143,9 +143,16 @@ class FakeFabric:
         self._agents: dict[str, _FakeAgent] = {}
         self._ghosts: list[list[Any]] = []  # [ticks_left, _Xfer]: failed writes still to land
         self.canceled_notifs = 0  # in-flight notifications canceled by dropping their peer (UCX -16)
+        self.notifs_per_progress: int | None = None  # in-flight notifications one progress call sends
+        self.wall_ns_per_tick = 1_000_000  # > 1 ms: wall time passes faster than the endpoints' CPU time
 
     def clock_ns(self) -> int:
-        """The fabric's own clock for the endpoints' bounded waits: every call on any agent is 1 ms."""
+        """The fabric's own clock for the endpoints' bounded waits: every call on any agent is 1 ms of
+        CPU and ``wall_ns_per_tick`` of wall time (more than 1 ms: the process is starved)."""
+        return self.ticks * self.wall_ns_per_tick
+
+    def cpu_clock_ns(self) -> int:
+        """The endpoints' thread CPU clock: 1 ms per call on any agent."""
         return self.ticks * 1_000_000
 
     def inject_write(self, fault: WriteFault) -> None:
@@ -304,7 +311,8 @@ class _FakeAgent:
 
     def _progress(self) -> None:
         """What a progress call of the sender's UCX worker does for its accepted notifications."""
-        out, self.outbox = self.outbox, []
+        n = len(self.outbox) if self.fabric.notifs_per_progress is None else self.fabric.notifs_per_progress
+        out, self.outbox = self.outbox[:n], self.outbox[n:]
         for peer, payload, fault in out:
             self.fabric._deliver(self.name, peer, payload, fault)
 
@@ -467,7 +475,7 @@ class FakeNixlEndpoint(NixlEndpoint):
 
     def __init__(self, name: str, *, fabric: FakeFabric, progress_thread: bool = False) -> None:
         self.fabric = fabric
-        super().__init__(name, progress_thread=progress_thread, clock=fabric.clock_ns)
+        super().__init__(name, progress_thread=progress_thread, clock=fabric.clock_ns, cpu_clock=fabric.cpu_clock_ns)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:
         if name in self.fabric._agents:
