@@ -15,8 +15,8 @@ Rules:
   4. Every ``*_ns`` on a handle is the engine clock at the event itself (the driver stamps it when the
      event happens, not the step's start), or the caller's own call for ``cancelled_ns`` /
      ``released_ns`` of a receive: so a latency between two of them is never negative.
-  5. ``LiveRequests`` remembers how the last ``remember`` finished sessions per rank ended, so a late
-     release or cancel of one of them is a no-op that reports its outcome (``CloseResult``).
+  5. ``LiveRequests`` remembers how the last ``remember`` finished sessions per rank and role ended, as
+     ints the GC never traverses, so a late release or cancel is a no-op reporting it (``CloseResult``).
 
 Invariants:
   INV-CMD1  ``Ticket.take`` and ``Ticket.withdraw`` together return True at most once.
@@ -26,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
 import enum
 import threading
 from concurrent.futures import Future
@@ -238,9 +237,9 @@ class LiveRequests:
     def __init__(self, remember: int = 65536) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[Role, int], Any] = {}
-        self._closed: collections.OrderedDict[tuple[Role, int], CloseResult] = collections.OrderedDict()
+        self._closed: dict[Role, dict[int, int]] = {role: {} for role in Role}  # rid -> _pack(result), oldest first
         self._remember = remember
-        self._prune_at = 1024
+        self._prune_at = _PRUNE_MIN
 
     @staticmethod
     def _alive(entry: Any) -> bool:
@@ -259,7 +258,7 @@ class LiveRequests:
                 raise LocalProtocolError(f"request id already has a live {role.value} session on this rank",
                                          field="request_id", request_id=request_id)
             self._entries[key] = entry
-            self._closed.pop(key, None)
+            self._closed[role].pop(request_id, None)
             if len(self._entries) >= self._prune_at:  # amortised: finished entries become records
                 self._prune()
 
@@ -269,11 +268,12 @@ class LiveRequests:
             if self._alive(entry):
                 live[key] = entry
             else:
-                self._closed[key] = _final(key[1], entry)
+                closed = self._closed[key[0]]
+                closed[key[1]] = _pack(_final(key[1], entry))
+                if len(closed) > self._remember:
+                    del closed[next(iter(closed))]
         self._entries = live
-        while len(self._closed) > self._remember:
-            self._closed.popitem(last=False)
-        self._prune_at = max(1024, 2 * len(self._entries))
+        self._prune_at = max(_PRUNE_MIN, 2 * len(self._entries))
 
     def replace(self, role: Role, request_id: int, entry: Any) -> None:
         with self._lock:
@@ -293,7 +293,22 @@ class LiveRequests:
             entry = self._entries.get(key)
             if entry is not None:
                 return (entry, None) if self._alive(entry) else (None, _final(request_id, entry))
-            return None, self._closed.get(key)
+            code = self._closed[role].get(request_id)
+            return None, None if code is None else _unpack(request_id, code)
+
+
+_PRUNE_MIN = 64  # claims between prunes at least (amortised O(1): the bound doubles with the live entries)
+_STATUSES = tuple(CloseStatus)
+_OUTCOMES: tuple[Outcome | None, ...] = (None, *Outcome)
+
+
+def _pack(result: CloseResult) -> int:
+    return _STATUSES.index(result.status) * len(_OUTCOMES) + _OUTCOMES.index(result.outcome)
+
+
+def _unpack(request_id: int, code: int) -> CloseResult:
+    status, outcome = divmod(code, len(_OUTCOMES))
+    return CloseResult(request_id, _STATUSES[status], _OUTCOMES[outcome])
 
 
 def _final(request_id: int, entry: Any) -> CloseResult:
