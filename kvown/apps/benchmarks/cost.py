@@ -216,6 +216,29 @@ def nixl_breakdown(sessions: int, window: int, spec: PairSpec) -> dict[str, Any]
         pair.close()
 
 
+class GcTime:
+    """CPU time spent in the garbage collector's passes while entered (``gc.callbacks``), and how many
+    were full (generation 2) collections: they land on whichever side allocated last, so the engine
+    figures include them and this says how much of them it was."""
+
+    def __init__(self) -> None:
+        self.ns, self.full, self._t0 = 0, 0, 0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time_ns()
+            return
+        self.ns += time.thread_time_ns() - self._t0
+        self.full += info["generation"] == 2
+
+    def __enter__(self) -> "GcTime":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def engine_cost(sessions: int, window: int, nb: int, spec: PairSpec, reps: int = 3, warmup: int = 200,
                 bar: bool = False) -> dict[str, Any]:
     """CPU per session per side (median of ``reps`` runs on fresh pairs), and what the steps did."""
@@ -229,7 +252,8 @@ def engine_cost(sessions: int, window: int, nb: int, spec: PairSpec, reps: int =
                 gc.collect()
                 pair.reset()
                 t0 = time.perf_counter_ns()
-                pair.run(rids.take(sessions), nb, window, pbar)
+                with GcTime() as gc_time:
+                    pair.run(rids.take(sessions), nb, window, pbar)
                 wall = time.perf_counter_ns() - t0
                 tx, rx = pair.drivers[0].stats, pair.drivers[1].stats
                 runs.append({
@@ -239,6 +263,7 @@ def engine_cost(sessions: int, window: int, nb: int, spec: PairSpec, reps: int =
                     "sender_steps": pair.steps[0] / sessions, "receiver_steps": pair.steps[1] / sessions,
                     "control_frames": (tx["control_sent"] + rx["control_sent"]) / sessions,
                     "control_messages": (tx["control_messages"] + rx["control_messages"]) / sessions,
+                    "gc_us": gc_time.ns / sessions / 1e3, "gc_full_collections": gc_time.full,
                 })
             finally:
                 pair.close()
@@ -605,7 +630,8 @@ def report(r: dict[str, Any]) -> None:
             print(f"  {key:16s} {m['blocks']:3d} x {m['block_nbytes'] // KIB} KiB: sender {m['sender_cpu_us']:7.1f} us"
                   f"  receiver {m['receiver_cpu_us']:7.1f} us per session (CPU)  wall {m['wall_us']:7.1f} us  "
                   f"frames {m['control_frames']:.2f} ({m['control_messages']:.2f} msgs)  steps "
-                  f"{m['sender_steps']:.1f}/{m['receiver_steps']:.1f}")
+                  f"{m['sender_steps']:.1f}/{m['receiver_steps']:.1f}  gc {m['gc_us']:.1f} us "
+                  f"({m['gc_full_collections']} full)")
     if "levers" in r:
         lv = r["levers"]
         print(f"  levers: HMAC {lv['hmac_new_ns']} -> {lv['hmac_precomputed_ns']} ns; recorder {lv['recorder_old_ns']} -> "

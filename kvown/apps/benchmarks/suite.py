@@ -85,6 +85,8 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
         m["engine_cpu_us_per_session_sender"] = e["sender_cpu_us"]
         m["engine_cpu_us_per_session_receiver"] = e["receiver_cpu_us"]
         m["control_frames_per_session"] = e["control_frames"]
+        if "gc_us" in e:  # inside the engine figures, wherever it landed (cost.GcTime)
+            m["gc_us_per_session"] = e["gc_us"]
     if "engine_breakdown" in cost:  # the engine's CPU minus the CPU inside NIXL calls (issue 19)
         # Both from the breakdown pass (its timing wrappers make that pass's total larger than the clean
         # pass's engine_cpu_us_per_session): own + NIXL is that pass's engine CPU, own is never negative.
