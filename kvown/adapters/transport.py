@@ -163,10 +163,13 @@ _WRITE_STATUS = {XferStatus.IN_PROGRESS: WriteStatus.IN_FLIGHT, XferStatus.DONE:
 
 @dataclass(frozen=True, slots=True)
 class Posted:
-    """The WRITE is on the wire; poll ``handle`` until DONE (or ERROR: in doubt)."""
+    """The WRITE is on the wire; poll ``handle`` until DONE (or ERROR: in doubt). ``settled``: the post
+    itself already reported how it ended (UCX copied inside ``transfer()``), so a poll now answers
+    without asking the library; otherwise the first poll waits for the next step."""
 
     handle: XferHandle
     nbytes: int
+    settled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +325,7 @@ class KVTransport:
             return NotPosted(str(exc))
         except KvownError as exc:  # our own checks (block ids, sizes) refused it before NIXL saw it
             return NotPosted(str(exc))
-        return Posted(handle, handle.nbytes)
+        return Posted(handle, handle.nbytes, handle.status is not XferStatus.IN_PROGRESS)
 
     def poll(self, handle: XferHandle) -> WriteStatus:
         return _WRITE_STATUS[self.endpoint.poll(handle)]

@@ -8,6 +8,8 @@ Rules:
   2. Adapters translate each library outcome into exactly one event (a NIXL ``DONE`` is one
      ``WriteCompleted``; an exception while posting is one ``WriteSubmitFailed``).
   3. ``Tick`` carries no fact: only time passed (the driver calls it at ``next_deadline_ns()``).
+  4. Event and message classes are final: the cores dispatch on the exact type (``type(e) is X``,
+     tables keyed by type), so a subclass would be refused as an unknown input.
 """
 
 from __future__ import annotations

@@ -111,22 +111,26 @@ class RankCore(Generic[S]):
         return actions
 
     def _apply(self, event: Event, now_ns: int, actions: list[Action]) -> None:
-        if isinstance(event, Tick):
-            pass  # only time passed, and _advance applied it (events rule 3)
-        elif isinstance(event, WatermarkSet):
-            self._on_local_watermark(event.epoch, actions)
-        elif isinstance(event, MessageReceived) and event.envelope.dst_rank != self.config.rank:
-            raise PeerProtocolError("message addressed to another rank", field="dst_rank",
-                                    got=event.envelope.dst_rank, rank=self.config.rank)
-        elif isinstance(event, MessageReceived) and isinstance(event.envelope.message, Watermark):
-            m = event.envelope.message
-            if m.rank == event.envelope.src_rank and m.rank in self.config.peers:
-                self._peer_watermarks[m.rank] = max(m.epoch, self._peer_watermarks.get(m.rank, 0))
-                self._compact()
-            else:
-                self._count("foreign_watermarks")
-        else:
-            self._dispatch(event, now_ns, actions)
+        t = type(event)  # final classes (events rule 4): one identity test each
+        if t is Tick:
+            return  # only time passed, and _advance applied it (events rule 3)
+        if t is WatermarkSet:
+            self._on_local_watermark(event.epoch, actions)  # type: ignore[attr-defined]
+            return
+        if t is MessageReceived:
+            envelope = event.envelope  # type: ignore[attr-defined]
+            if envelope.dst_rank != self.config.rank:
+                raise PeerProtocolError("message addressed to another rank", field="dst_rank",
+                                        got=envelope.dst_rank, rank=self.config.rank)
+            m = envelope.message
+            if type(m) is Watermark:
+                if m.rank == envelope.src_rank and m.rank in self.config.peers:
+                    self._peer_watermarks[m.rank] = max(m.epoch, self._peer_watermarks.get(m.rank, 0))
+                    self._compact()
+                else:
+                    self._count("foreign_watermarks")
+                return
+        self._dispatch(event, now_ns, actions)
 
     def next_deadline_ns(self) -> int | None:
         """Pure: when the driver must call ``handle(Tick(), now)`` next, or None if no clock runs.

@@ -290,24 +290,25 @@ class SenderCore(RankCore[SendSession]):
                                      state=before.value, input=kind.value, to=after.value)
 
     def _dispatch_input(self, event: Event, now_ns: int, actions: list[Action]) -> None:
-        if isinstance(event, MessageReceived):
-            message, src = event.envelope.message, event.envelope.src_rank
-            if isinstance(message, RequestData):
+        t = type(event)
+        if t is MessageReceived:
+            message, src = event.envelope.message, event.envelope.src_rank  # type: ignore[attr-defined]
+            if type(message) is RequestData:
                 self._on_request_data(message, src, now_ns, actions)
-            elif isinstance(message, CancelSession):
+            elif type(message) is CancelSession:
                 self._on_cancel_session(message, src, now_ns, actions)
             else:
                 raise PeerProtocolError("message not expected by a sender", field="kind", kind=message.KIND.name)
-        elif isinstance(event, OpenSend):
-            self._open(event, now_ns, actions)
-        elif isinstance(event, SourceReady):
-            self._on_source_ready(event, now_ns, actions)
-        elif isinstance(event, CancelRequested):
-            self._on_local_cancel(event, now_ns, actions)
-        elif isinstance(event, (WriteSubmitted, WriteNotSubmitted, WriteSubmitFailed, WriteCompleted, WriteFailed)):
+        elif t in _WRITE_INPUT:
             self._on_write_event(event, now_ns, actions)
+        elif t is OpenSend:
+            self._open(event, now_ns, actions)  # type: ignore[arg-type]
+        elif t is SourceReady:
+            self._on_source_ready(event, now_ns, actions)  # type: ignore[arg-type]
+        elif t is CancelRequested:
+            self._on_local_cancel(event, now_ns, actions)  # type: ignore[arg-type]
         else:
-            raise LocalProtocolError("event not handled by a sender", field="event", event=type(event).__name__)
+            raise LocalProtocolError("event not handled by a sender", field="event", event=t.__name__)
 
     # ---- admission -----------------------------------------------------------------------------
 
