@@ -112,6 +112,9 @@ class OpenSend(Event):
     # A receiver may publish fewer blocks than the source: it holds the prefix already (a prefix-cache
     # hit), so the WRITE covers the LAST len(dst_blocks) source blocks. One piece only.
     dst_suffix: bool = False
+    # Pieces whose KV is written already when the send opens: each counts as its SourceReady (the driver
+    # folds tokens that are ready at once into the open, one core input fewer per session).
+    ready_pieces: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ Rules (states: ``SX_TRANSITIONS`` over the derived ``SendSession.state``; why: d
      notification (``carry_results``): after DONE nothing more goes on that stream; any other outcome
      sends the report on the control stream.
 
-Invariants: INV-S1 PostWrite(op) only after SourceReady for its piece, never after a fence, poison or
-fatal. INV-S2 results in piece order; SESSION_QUIESCED, or a carried final result, ends its stream.
-INV-S3 an IN_DOUBT op leaves IN_DOUBT only through WriteCompleted of the same op.
+Invariants: INV-S1 PostWrite(op) only after its piece was ready (SourceReady, or ``OpenSend.ready_pieces``),
+never after a fence, poison or fatal. INV-S2 results in piece order; SESSION_QUIESCED, or a carried final
+result, ends its stream. INV-S3 an IN_DOUBT op leaves IN_DOUBT only through WriteCompleted of the same op.
 """
 
 from __future__ import annotations
@@ -324,6 +324,8 @@ class SenderCore(RankCore[SendSession]):
             raise LocalProtocolError("dst_suffix needs a single piece", field="dst_suffix")
         if event.num_receivers < 1:
             raise LocalProtocolError("need at least one receiver", field="num_receivers")
+        if not all(0 <= piece < event.num_pieces for piece in event.ready_pieces):
+            raise LocalProtocolError("ready piece out of range", field="ready_pieces", ready=event.ready_pieces)
         if not self._admissible(rid):
             actions.append(AdmissionRefused(rid, "stale: the request's epoch is below the world watermark"))
             return
@@ -336,6 +338,7 @@ class SenderCore(RankCore[SendSession]):
             rid, event.src_blocks, event.num_pieces, event.num_receivers,
             RetirementClock(self.config.timeout_ns, self.config.grace_ns), dst_suffix=event.dst_suffix,
         )
+        session.ready.update(event.ready_pieces)  # as one SourceReady each, before any publication attaches
         self.sessions[rid] = session
         for src, request in self._saved.pop(rid, {}).items():
             if not self._fits(session, request):  # the check a live publication gets (defect 7)

@@ -15,8 +15,8 @@ Rules:
   6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug: the INVARIANT fail-stop of rule 6.
   7. Other threads call only ``submit`` and the pure readers (``check_fatal``, ``next_deadline_ns``,
      ``statistics``, ``view``); cores are touched under ``lock`` only, held while one core handles one event.
-  7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a refused send's
-     ready tokens, a watermark under a live session); a close's ready token waits first.
+  7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a watermark under
+     a live session); a close's ready token waits first. A send's tokens ready at once ride on its open.
   8. The hot path formats nothing and scans nothing that does not move.
   9. ``probe("retire", request_id)`` (default None) is the one test hook, called mid-retirement.
 
@@ -403,9 +403,9 @@ class Driver:
                 state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
                 self._unpublished[rid] = command.handle
                 self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
+                ready = self._ready_now(state)  # rule 8: a token ready now is never polled; it rides on the open
                 self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
-                                                            command.num_receivers, command.dst_suffix)))
-                self._report_ready(rid, state)  # rule 8: a token ready now is never polled
+                                                            command.num_receivers, command.dst_suffix, ready)))
                 if any(t is not None for t in state.tokens):
                     self._pending_tokens[rid] = state
             case Receive(request_id=rid):
@@ -639,13 +639,20 @@ class Driver:
         return moved
 
     def _report_ready(self, request_id: int, state: _SendState) -> bool:
-        moved = False
+        ready = self._ready_now(state)
+        for piece in ready:
+            self._events.append((self.sender, SourceReady(request_id, piece)))  # type: ignore[arg-type]
+        return bool(ready)
+
+    @staticmethod
+    def _ready_now(state: _SendState) -> tuple[int, ...]:
+        """The pieces whose ready token reports done now; their tokens are dropped (each is told once)."""
+        ready = []
         for piece, token in enumerate(state.tokens):
             if token is not None and token.query():
                 state.tokens[piece] = None
-                moved = True
-                self._events.append((self.sender, SourceReady(request_id, piece)))  # type: ignore[arg-type]
-        return moved
+                ready.append(piece)
+        return tuple(ready)
 
     # ---- actions -------------------------------------------------------------------------------
 
@@ -748,20 +755,11 @@ class Driver:
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
-    def _drop_ready(self, rid: int) -> None:
-        """Rule 7a: a refused send's ready tokens, already queued behind its OpenSend, never reach the
-        core (it has no session for them: that would be a LocalProtocolError, our bug)."""
-        kept = [(c, e) for c, e in self._events if not (type(e) is SourceReady and e.request_id == rid)]
-        if len(kept) != len(self._events):
-            self._events.clear()
-            self._events.extend(kept)
-
     def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)
             self._pending_tokens.pop(action.request_id, None)
-            self._drop_ready(action.request_id)
             self._unpublished.pop(action.request_id, None)
             if state is not None:
                 if state.aux_slot >= 0:

@@ -142,3 +142,24 @@ def test_peer_cancel_after_compaction_is_acked_at_once() -> None:
     s.fence.compact_below(1)
     rid = make_request_id(0, 4)
     assert s.handle(msg(RX, 1, CancelSession(rid, RX)), 0) == [SendControl(RX, SessionQuiesced(1, rid))]
+
+
+@pytest.mark.timeout(10)
+def test_pieces_ready_at_open_post_on_publication_without_a_source_ready() -> None:
+    """``OpenSend.ready_pieces``: the driver folds tokens that are ready at once into the open."""
+    s = sender()
+    s.handle(OpenSend(1, (0, 1, 2, 3), 2, ready_pieces=(1,)), 0)
+    out = s.handle(msg(RX, 1, _rd(1, blocks=(10, 11, 12, 13))), 1)
+    posts = [a for a in out if isinstance(a, PostWrite)]
+    assert [(p.piece, p.src_blocks) for p in posts] == [(1, (2, 3))]  # piece 0 waits for its SourceReady
+    assert [a.piece for a in s.handle(SourceReady(1, 0), 2) if isinstance(a, PostWrite)] == [0]
+
+
+@pytest.mark.timeout(10)
+def test_a_ready_piece_out_of_range_is_refused_without_change() -> None:
+    from kvown.core.errors import LocalProtocolError
+
+    s = sender()
+    with pytest.raises(LocalProtocolError) as info:
+        s.handle(OpenSend(1, (0, 1), 1, ready_pieces=(1,)), 0)
+    assert info.value.field == "ready_pieces" and s.sessions == {}
