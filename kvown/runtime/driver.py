@@ -107,6 +107,7 @@ EV_CANCEL = event_code("cancel", "role")
 EV_RELEASE = event_code("release", "ready_token")
 EV_CONCLUDE = event_code("conclude", "outcome", "reason")
 EV_RETIRE = event_code("retire", "blocks")
+_MAY_PUBLISH = (MessageReceived, OpenSend)  # the inputs that can attach a publication to a send session
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
 TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
 
@@ -351,7 +352,7 @@ class Driver:
                     self._core_bug(event, exc)  # raises (rule 6a); the old swallow continued here
                     continue
             self._execute(core, actions)
-            if self._unpublished and core is self.sender:
+            if core is self.sender and type(event) in _MAY_PUBLISH and self._unpublished:
                 self._note_publication(event)
 
     def _core_bug(self, event: Event, exc: LocalProtocolError) -> None:
