@@ -53,9 +53,6 @@ def _monotonic_ns() -> int:
     return time.monotonic_ns()  # looked up per call, so a test's clock guard sees it
 
 
-def _thread_cpu_ns() -> int:
-    return time.thread_time_ns()
-
 _INIT_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for "the local side" in prep_xfer_dlist
 
 
@@ -331,7 +328,7 @@ class NixlEndpoint:
         self._closed = False
         self._last_notif_ns: int | None = None  # when send_notif last returned (None: no flush at close)
         self._clock = clock or _monotonic_ns  # the flush's wall clock (a fake fabric passes its own)
-        self._cpu_clock = cpu_clock or _thread_cpu_ns  # the flush's CPU clock (owner thread's)
+        self._cpu_clock = cpu_clock or time.thread_time_ns  # the flush's CPU clock (the owner thread's)
 
     def _make_agent(self, name: str, progress_thread: bool) -> Any:
         try:
