@@ -8,11 +8,15 @@ Rules:
      ``strict_map_key``; then ``frame_from_wire`` validates every field of either body layout.
   2. Every failure is a ``PeerProtocolError`` naming the field; msgpack's own exceptions never escape.
   3. Never pickle.
+  3a. The decoders take ``object`` (messages rule on validators: a compiled function checks its
+      argument types on entry, so a forged non-bytes frame must reach ``unseal`` to be named).
   4. The HMAC's keyed states are computed once per key (``messages.Mac``); a frame costs one copy of
      each plus the body (the engine's hot path: ``FrameCodec``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgpack
 
@@ -51,11 +55,11 @@ def _unpack(body: bytes) -> object:
 
 def encode(envelope: Envelope, key: bytes) -> bytes:
     """One message in the single layout. Called: by tools and tests (the engine uses ``FrameCodec``)."""
-    body = msgpack.packb(to_wire(envelope), use_bin_type=True)
+    body: bytes = msgpack.packb(to_wire(envelope), use_bin_type=True)
     return body + mac_for(key).tag(body)
 
 
-def decode(frame: bytes, key: bytes) -> Envelope:
+def decode(frame: object, key: bytes) -> Envelope:
     """Authenticate and validate one single-layout frame from an untrusted peer.
 
     After error: nothing changed anywhere; drop the frame and count it.
@@ -65,11 +69,11 @@ def decode(frame: bytes, key: bytes) -> Envelope:
 
 def encode_frame(frame: Frame, key: bytes) -> bytes:
     """A frame of any layout (``messages.frame_to_wire``)."""
-    body = msgpack.packb(frame_to_wire(frame), use_bin_type=True)
+    body: bytes = msgpack.packb(frame_to_wire(frame), use_bin_type=True)
     return body + mac_for(key).tag(body)
 
 
-def decode_frame(frame: bytes, key: bytes) -> Frame:
+def decode_frame(frame: object, key: bytes) -> Frame:
     """Authenticate and validate a frame of either layout. After error: as ``decode``."""
     return frame_from_wire(_unpack(unseal(frame, key)))
 
@@ -85,7 +89,7 @@ class FrameCodec:
     def __init__(self, key: bytes) -> None:
         self.key = key
         self._mac = mac_for(key)
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack: Callable[[object], bytes] = msgpack.Packer(use_bin_type=True).pack
 
     def encode(self, src: int, dst: int, seq: int, messages: list[Message] | tuple[Message, ...]) -> bytes:
         """A control frame at position ``seq`` holding ``messages`` in order (single layout for one)."""
@@ -101,7 +105,7 @@ class FrameCodec:
         body = self._pack([2, src, dst, 0, 1, [int(message.KIND), *message.wire_fields()]])
         return body + self._mac.tag(body)
 
-    def decode(self, data: bytes) -> Frame:
+    def decode(self, data: object) -> Frame:
         """Authenticate and validate one frame. After error: ``PeerProtocolError(field=...)``; nothing changed."""
         return frame_from_wire(_unpack(unseal(data, self.key)))
 

@@ -167,7 +167,7 @@ def pair_ranges(
     when the totals differ or a range is empty or negative. Inputs may be Nx2 integer arrays.
     """
     if _is_small(local, remote):
-        return _pair_small(local, remote, set(local_breaks))
+        return _pair_small(local, remote, set(local_breaks))  # type: ignore[arg-type]
     la, ra, n = _pair_arrays(local, remote, local_breaks)
     return list(zip(la.tolist(), ra.tolist(), n.tolist(), strict=True))
 
@@ -584,9 +584,9 @@ class NixlEndpoint:
         self,
         peer: str,
         local_prep: PreppedBlocks,
-        local_idx: np.ndarray,
+        local_idx: np.ndarray | list[int],
         remote_prep: PreppedBlocks,
-        remote_idx: np.ndarray,
+        remote_idx: np.ndarray | list[int],
         notif: bytes | None = None,
     ) -> XferHandle:
         """Post one WRITE of local blocks ``local_idx`` into the peer's blocks ``remote_idx``.
@@ -606,6 +606,8 @@ class NixlEndpoint:
             raise LocalProtocolError("remote_prep names another peer", field="remote_prep",
                                      peer=peer, prep_peer=remote_prep.peer)
         size = local_prep.uniform_nbytes
+        li: Any
+        ri: Any
         if (type(local_idx) is list and type(remote_idx) is list and size
                 and size == remote_prep.uniform_nbytes and len(local_idx) <= _LIST_INDICES):
             # Fast path (rule 6): short Python lists into uniform lists - plain checks, no numpy; NIXL

@@ -315,7 +315,7 @@ class KVPool:
             problems.append("free runs overlap, touch (not merged) or are empty")
         if {e: s for s, n in runs for e in [s + n]} != self._run_ends:
             problems.append("free-run end index disagrees with the runs")
-        by_len = {}
+        by_len: dict[int, set[int]] = {}
         for start, length in runs:
             by_len.setdefault(length, set()).add(start)
         if by_len != {k: set(v) for k, v in self._by_len.items()} or sorted(by_len) != self._lens:

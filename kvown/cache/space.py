@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvown.core.errors import ConfigError, LocalProtocolError, PeerProtocolError
+from kvown.core.errors import ConfigError, KvownError, LocalProtocolError, PeerProtocolError
 
 MAX_REGIONS = 4096
 _MEMS = ("DRAM", "VRAM")
@@ -48,7 +48,7 @@ class Region:
     heads: int = 1  # heads per group inside a chunk (rule 2)
     groups: int = 1  # groups (e.g. tokens) per chunk; 1 means head-outermost
 
-    def check(self, error: type[Exception] = ConfigError) -> None:
+    def check(self, error: type[KvownError] = ConfigError) -> None:
         for name in ("base_addr", "stride_nbytes", "chunk_nbytes", "heads", "groups"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0 or value >= 1 << 63:
@@ -95,7 +95,7 @@ class BlockSpace:
     def __post_init__(self) -> None:
         self._validate(ConfigError)
 
-    def _validate(self, error: type[Exception]) -> None:
+    def _validate(self, error: type[KvownError]) -> None:
         if not isinstance(self.regions, tuple) or not 0 < len(self.regions) <= MAX_REGIONS:
             raise error("a block space needs 1..4096 regions", field="regions")
         for region in self.regions:

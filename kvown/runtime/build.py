@@ -20,6 +20,7 @@ from typing import Any
 # kvown.core.errors: kvown's other errors (kernels, cache, runtime) subclass them, and an interpreted
 # class cannot subclass a native one.
 HOT_PATH = (
+    "kvown.adapters.codec",
     "kvown.core.actions",
     "kvown.core.deadline",
     "kvown.core.events",
@@ -31,6 +32,7 @@ HOT_PATH = (
     "kvown.core.routing",
     "kvown.core.sender",
     "kvown.core.streams",
+    "kvown.runtime.driver",
     "kvown.runtime.flight",
 )
 

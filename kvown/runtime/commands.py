@@ -73,7 +73,7 @@ class LazyEvent:
                     self._event = threading.Event()
                 event = self._event
         if self._flag:  # set() may have run before our event was visible to it (INV-CMD2)
-            return True
+            return True  # type: ignore[unreachable]
         return event.wait(timeout)
 
     def __repr__(self) -> str:
@@ -105,10 +105,10 @@ class ReceivePhase(enum.Enum):
     REFUSED = "refused"  # never opened (admission refused or pool exhausted); nothing was published
 
 
-def _outcome_of(future: Future) -> Outcome | None:
+def _outcome_of(future: Future[Outcome]) -> Outcome | None:
     if not future.done() or future.exception() is not None:
         return None
-    return future.result()  # type: ignore[no-any-return]
+    return future.result()
 
 
 @dataclass(eq=False)
@@ -116,7 +116,7 @@ class SendHandle:
     """Returned by ``Sender.send``. ``released`` is set when no WRITE can still read the source blocks."""
 
     request_id: int
-    outcome: Future = field(default_factory=Future)
+    outcome: Future[Outcome] = field(default_factory=Future)
     released: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
     published_ns: int = 0  # the first receiver's publication attached to this session
@@ -147,7 +147,7 @@ class ReceiveHandle:
     request_id: int
     blocks: tuple[int, ...] = ()
     aux_slot: int = -1
-    outcome: Future = field(default_factory=Future)
+    outcome: Future[Outcome] = field(default_factory=Future)
     landed: LazyEvent = field(default_factory=LazyEvent)
     retired: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
@@ -199,7 +199,7 @@ class Ticket:
 
     def __init__(self) -> None:
         self._latch = threading.Lock()
-        self.future: Future = Future()
+        self.future: Future[Any] = Future()
 
     def take(self) -> bool:
         """The driver takes the command. False: the caller withdrew it. Called: engine thread."""
@@ -390,7 +390,7 @@ class Call(Command):
     """Run ``fn(driver)`` on the engine thread (tests, diagnostics, fault injection)."""
 
     fn: Callable[[Any], Any]
-    future: Future
+    future: Future[Any]
 
 
 __all__ = ["AdmissionError", "Call", "Cancel", "CloseResult", "CloseStatus", "Command", "LazyEvent", "LiveRequests",

@@ -30,7 +30,7 @@ import collections
 import contextlib
 import traceback
 from collections.abc import Callable
-from typing import Any, ContextManager
+from typing import Any, ContextManager, NoReturn
 
 import torch
 
@@ -154,7 +154,7 @@ class Driver:
         core_config = config.core_config(rank, peers)
         self.sender = SenderCore(core_config, carry_results=config.carry_results) if Role.SENDER in roles else None
         self.receiver = ReceiverCore(core_config) if Role.RECEIVER in roles else None
-        self._core_list = [c for c in (self.sender, self.receiver) if c is not None]
+        self._core_list: list[RankCore[Any]] = [c for c in (self.sender, self.receiver) if c is not None]
         self.inbox: collections.deque[Command] = collections.deque()  # append/popleft are atomic
         self.out = OutboundStreams(rank)
         self.inn = InboundStreams(rank)
@@ -164,7 +164,7 @@ class Driver:
         self.fatal: FailStop | None = None
         self.canaries = Canaries.of_pool(pool) if config.canary else None
         self._now_ns = 0
-        self._events: collections.deque[tuple[RankCore, Event]] = collections.deque()
+        self._events: collections.deque[tuple[RankCore[Any], Event]] = collections.deque()
         self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
         self.batch_frames = True  # rule 2; False sends one frame per message (benchmarks compare the two)
         self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
@@ -270,7 +270,7 @@ class Driver:
         return out
 
     @staticmethod
-    def _role_figures(core: RankCore) -> dict[str, Any]:
+    def _role_figures(core: RankCore[Any]) -> dict[str, Any]:
         return {"sessions": len(core.sessions), "sessions_by_state": frozen(core.sessions_by_state()),
                 "fences": len(core.fence), "oldest_fail_stop_deadline_ns": core.nearest_fail_stop_ns(),
                 "counters": frozen(core.counters)}
@@ -334,28 +334,33 @@ class Driver:
             return True
         return moved
 
-    def _cores(self) -> list[RankCore]:
+    def _cores(self) -> list[RankCore[Any]]:
         return self._core_list
 
     def _pump(self) -> None:
         """Feed queued events to their core, executing each batch of actions before the next event."""
         while self._events and self.fatal is None:
             core, event = self._events.popleft()
-            with self.lock:
-                try:
-                    actions = core.handle(event, self._now_ns)
-                except PeerProtocolError as exc:  # rule 5: dropped, counted, state unchanged
-                    self.stats["rejected_peer_input"] += 1
-                    self.recorder.record("peer_protocol_error", getattr(event, "request_id", None), error=str(exc))
-                    continue
-                except LocalProtocolError as exc:
-                    self._core_bug(event, exc)  # raises (rule 6a); the old swallow continued here
-                    continue
+            actions = self._handle(core, event)
+            if actions is None:
+                continue
             self._execute(core, actions)
             if core is self.sender and type(event) in _MAY_PUBLISH and self._unpublished:
                 self._note_publication(event)
 
-    def _core_bug(self, event: Event, exc: LocalProtocolError) -> None:
+    def _handle(self, core: RankCore[Any], event: Event) -> list[Action] | None:
+        """One event into its core under ``lock`` (rule 7); None: a peer's bad input, dropped (rule 5)."""
+        with self.lock:
+            try:
+                return core.handle(event, self._now_ns)
+            except PeerProtocolError as exc:  # rule 5: dropped, counted, state unchanged
+                self.stats["rejected_peer_input"] += 1
+                self.recorder.record("peer_protocol_error", getattr(event, "request_id", None), error=str(exc))
+                return None
+            except LocalProtocolError as exc:
+                self._core_bug(event, exc)  # raises (rule 6a)
+
+    def _core_bug(self, event: Event, exc: LocalProtocolError) -> NoReturn:
         """Rule 6a: a core refused a local input inside the engine - our bug, never a race between API
         calls (rule 7a settles those before the core) - so it is an INVARIANT fail-stop (rule 6)."""
         rid = getattr(event, "request_id", None)
@@ -368,9 +373,9 @@ class Driver:
         """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an
         arriving REQUEST_DATA, or a saved one when the session opened)."""
         source = event.envelope.message if type(event) is MessageReceived else event
-        rid = getattr(source, "request_id", None)  # a WATERMARK or HELLO names no request: nothing to stamp
-        handle = self._unpublished.get(rid)  # type: ignore[arg-type]
-        if handle is not None and self.sender.published(rid):  # type: ignore[union-attr]
+        rid: int | None = getattr(source, "request_id", None)  # a WATERMARK or HELLO names no request
+        handle = None if rid is None else self._unpublished.get(rid)
+        if handle is not None and self.sender.published(rid):  # type: ignore[union-attr, arg-type]
             del self._unpublished[rid]  # type: ignore[arg-type]
             handle.published_ns = self._stamp()
 
@@ -385,68 +390,79 @@ class Driver:
         return moved
 
     def _command(self, command: Command) -> None:
-        match command:
-            case Send(request_id=rid):
-                if self.sender is None or rid in self._sends:
-                    command.handle.outcome.set_exception(
-                        LocalProtocolError("request already has a live send session here", field="request_id",
-                                           request_id=rid))
-                    _finish(command.handle, command.handle.released)
-                    return
-                aux_slot = self._take_aux() if command.aux is not None else -1
-                if command.aux is not None and aux_slot < 0:
-                    self.stats["aux_exhausted"] += 1  # the AUX piece will be reported FAILED
-                elif aux_slot >= 0:  # the whole slot: no bytes of its previous payload survive
-                    view = self._aux_view(aux_slot)
-                    view.zero_()
-                    view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
-                command.handle.opened_ns = self._stamp()
-                state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
-                self._unpublished[rid] = command.handle
-                self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
-                ready = self._ready_now(state)  # rule 8: a token ready now is never polled; it rides on the open
-                self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
-                                                            command.num_receivers, command.dst_suffix, ready)))
-                if any(t is not None for t in state.tokens):
-                    self._pending_tokens[rid] = state
-            case Receive(request_id=rid):
-                if not command.ticket.take():
-                    self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
-                    return
-                self._open_receive(command)
-            case Cancel(role=role, request_id=rid, issued_ns=issued_ns, ready=ready, notify=notify):
-                core = self.sender if role is Role.SENDER else self.receiver
-                handle = self._recvs.get(rid) if role is Role.RECEIVER else None
-                if handle is not None:
-                    if not handle.cancelled_ns:
-                        handle.cancelled_ns = issued_ns
-                    if ready is not None:  # rule 7a: the consumer may still be reading
-                        self._local_copy(rid, ready)
-                self.recorder.note(EV_CANCEL, rid, role.value)
-                if core is not None:
-                    self._events.append((core, CancelRequested(rid, notify=notify)))
-            case Release(request_id=rid, issued_ns=issued_ns, ready=ready):
-                self._release(rid, issued_ns, ready)
-            case LocalCopy(request_id=rid, token=token):
-                if rid in self._recvs:
-                    self._local_copy(rid, token)
-                else:  # rule 7a: the session retired before the copy was declared
-                    self._late("late_local_copy", rid)
-            case SetWatermark(epoch=epoch):
-                refusal = next((why for why in (c.watermark_refusal(epoch) for c in self._cores()) if why), "")
-                if refusal:  # rule 7a: a watermark the cores would refuse is a counted no-op
-                    self.stats["watermark_refused"] += 1
-                    self.recorder.record("watermark_refused", None, epoch=epoch, reason=refusal)
-                    return
-                for core in self._cores():
-                    self._events.append((core, WatermarkSet(epoch)))
-            case Call(fn=fn, future=future):
-                try:
-                    future.set_result(fn(self))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-            case _:
-                raise LocalProtocolError("unknown command", field="command", command=type(command).__name__)
+        # an isinstance chain over small functions: one name, one type (docs/design.md s. 17 rule 8)
+        if isinstance(command, Send):
+            self._open_send(command)
+        elif isinstance(command, Receive):
+            if not command.ticket.take():
+                self.stats["receives_withdrawn"] += 1  # the caller gave up first: nothing is done
+                return
+            self._open_receive(command)
+        elif isinstance(command, Cancel):
+            self._cancel(command)
+        elif isinstance(command, Release):
+            self._release(command.request_id, command.issued_ns, command.ready)
+        elif isinstance(command, LocalCopy):
+            if command.request_id in self._recvs:
+                self._local_copy(command.request_id, command.token)
+            else:  # rule 7a: the session retired before the copy was declared
+                self._late("late_local_copy", command.request_id)
+        elif isinstance(command, SetWatermark):
+            self._set_watermark(command.epoch)
+        elif isinstance(command, Call):
+            try:
+                command.future.set_result(command.fn(self))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                command.future.set_exception(exc)
+        else:
+            raise LocalProtocolError("unknown command", field="command", command=type(command).__name__)
+
+    def _open_send(self, command: Send) -> None:
+        rid = command.request_id
+        if self.sender is None or rid in self._sends:
+            command.handle.outcome.set_exception(
+                LocalProtocolError("request already has a live send session here", field="request_id",
+                                   request_id=rid))
+            _finish(command.handle, command.handle.released)
+            return
+        aux_slot = self._take_aux() if command.aux is not None else -1
+        if command.aux is not None and aux_slot < 0:
+            self.stats["aux_exhausted"] += 1  # the AUX piece will be reported FAILED
+        elif aux_slot >= 0:  # the whole slot: no bytes of its previous payload survive
+            view = self._aux_view(aux_slot)
+            view.zero_()
+            view[: len(command.aux)] = torch.frombuffer(bytearray(command.aux), dtype=torch.uint8)  # type: ignore[arg-type]
+        command.handle.opened_ns = self._stamp()
+        state = self._sends[rid] = _SendState(command.handle, list(command.tokens), aux_slot)
+        self._unpublished[rid] = command.handle
+        self.recorder.note(EV_OPEN_SEND, rid, len(command.tokens))
+        ready = self._ready_now(state)  # rule 8: a token ready now is never polled; it rides on the open
+        self._events.append((self.sender, OpenSend(rid, command.src_blocks, len(command.tokens),
+                                                    command.num_receivers, command.dst_suffix, ready)))
+        if any(t is not None for t in state.tokens):
+            self._pending_tokens[rid] = state
+
+    def _cancel(self, command: Cancel) -> None:
+        rid = command.request_id
+        core = self.sender if command.role is Role.SENDER else self.receiver
+        handle = self._recvs.get(rid) if command.role is Role.RECEIVER else None
+        if handle is not None:
+            if not handle.cancelled_ns:
+                handle.cancelled_ns = command.issued_ns
+            if command.ready is not None:  # rule 7a: the consumer may still be reading
+                self._local_copy(rid, command.ready)
+        self.recorder.note(EV_CANCEL, rid, command.role.value)
+        if core is not None:
+            self._events.append((core, CancelRequested(rid, notify=command.notify)))
+
+    def _set_watermark(self, epoch: int) -> None:
+        refusal = next((why for why in (c.watermark_refusal(epoch) for c in self._cores()) if why), "")
+        if refusal:  # rule 7a: a watermark the cores would refuse is a counted no-op
+            self.stats["watermark_refused"] += 1
+            self.recorder.record("watermark_refused", None, epoch=epoch, reason=refusal)
+            return
+        for core in self._cores():
+            self._events.append((core, WatermarkSet(epoch)))
 
     def _release(self, rid: int, issued_ns: int, ready: Any) -> None:
         """Rule 7a: release a delivered receive; a late release (retired, or concluded without
@@ -657,47 +673,49 @@ class Driver:
 
     # ---- actions -------------------------------------------------------------------------------
 
-    def _execute(self, core: RankCore, actions: list[Action]) -> None:
+    def _execute(self, core: RankCore[Any], actions: list[Action]) -> None:
         for action in actions:
             if self.fatal is not None:
                 return
-            match action:
-                case SendControl(dst_rank=dst, message=message):
-                    queue = self._outbox.get(dst)
-                    if queue is None:
-                        self._outbox[dst] = [message]
-                    else:
-                        queue.append(message)
-                case PostWrite():
-                    self._post(action)
-                case Deliver(request_id=rid):
-                    handle = self._recvs.get(rid)
-                    if handle is not None:
-                        handle.landed_ns = self._stamp()
-                        handle.landed.set()
-                case Conclude():
-                    self._conclude(core, action)
-                case RetireBlocks(request_id=rid):
-                    self._retire(rid)
-                case ReleaseSource(request_id=rid):
-                    state = self._sends.pop(rid, None)
-                    self._pending_tokens.pop(rid, None)
-                    self._unpublished.pop(rid, None)
-                    if state is not None:
-                        if state.aux_slot >= 0:
-                            self._aux_free.append(state.aux_slot)
-                        state.handle.released_ns = self._stamp()
-                        _finish(state.handle, state.handle.released)
-                case AdmissionRefused():
-                    self.stats["admission_refused"] += 1
-                    self._refuse(core, action)
-                case Disputed(request_id=rid, reason=reason):
-                    self.stats["disputes"] += 1
-                    self.recorder.record("disputed", rid, reason=reason)
-                case FailStop():
-                    self._fail_stop(action)
-                case _:
-                    raise LocalProtocolError("unknown action", field="action", action=type(action).__name__)
+            if isinstance(action, SendControl):
+                queue = self._outbox.get(action.dst_rank)
+                if queue is None:
+                    self._outbox[action.dst_rank] = [action.message]
+                else:
+                    queue.append(action.message)
+            elif isinstance(action, PostWrite):
+                self._post(action)
+            elif isinstance(action, Deliver):
+                handle = self._recvs.get(action.request_id)
+                if handle is not None:
+                    handle.landed_ns = self._stamp()
+                    handle.landed.set()
+            elif isinstance(action, Conclude):
+                self._conclude(core, action)
+            elif isinstance(action, RetireBlocks):
+                self._retire(action.request_id)
+            elif isinstance(action, ReleaseSource):
+                self._release_source(action.request_id)
+            elif isinstance(action, AdmissionRefused):
+                self.stats["admission_refused"] += 1
+                self._refuse(core, action)
+            elif isinstance(action, Disputed):
+                self.stats["disputes"] += 1
+                self.recorder.record("disputed", action.request_id, reason=action.reason)
+            elif isinstance(action, FailStop):
+                self._fail_stop(action)
+            else:
+                raise LocalProtocolError("unknown action", field="action", action=type(action).__name__)
+
+    def _release_source(self, rid: int) -> None:
+        state = self._sends.pop(rid, None)
+        self._pending_tokens.pop(rid, None)
+        self._unpublished.pop(rid, None)
+        if state is not None:
+            if state.aux_slot >= 0:
+                self._aux_free.append(state.aux_slot)
+            state.handle.released_ns = self._stamp()
+            _finish(state.handle, state.handle.released)
 
     def _post(self, action: PostWrite) -> None:
         """One PostWrite, one transport call, exactly one submit event back (rule 2)."""
@@ -707,25 +725,25 @@ class Driver:
             notif = self.codec.encode_carried(self.rank, action.receiver_rank, action.result)
         self.recorder.note(EV_POST, action.request_id, action.op_id, action.receiver_rank, notif is not None)
         outcome = self.transport.write(action, state.aux_slot if state is not None else -1, notif)
-        match outcome:
-            case Posted(handle=handle, nbytes=nbytes, settled=settled):
-                self._writes[action.op_id] = handle
-                self.stats["bytes_written"] += nbytes
-                if state is not None and not state.handle.posted_ns:
-                    state.handle.posted_ns = self._stamp()
-                self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
-                # Done inside the post (UCX cma): reported in this step, with no library call. An unsettled
-                # one waits for the next step's poll (polled at once it never was DONE: 1500 of 1500).
-                if settled:
-                    self._check_write(action.op_id, handle)
-            case NotPosted(reason=reason):
-                self._events.append((self.sender, WriteNotSubmitted(action.op_id, reason)))  # type: ignore[arg-type]
-            case InDoubt(handle=handle, reason=reason):
-                self._writes[action.op_id] = handle  # rooted and polled until DONE (rule 4)
-                self._in_doubt.add(action.op_id)
-                self._events.append((self.sender, WriteSubmitFailed(action.op_id, reason)))  # type: ignore[arg-type]
+        if isinstance(outcome, Posted):
+            handle = outcome.handle
+            self._writes[action.op_id] = handle
+            self.stats["bytes_written"] += outcome.nbytes
+            if state is not None and not state.handle.posted_ns:
+                state.handle.posted_ns = self._stamp()
+            self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
+            # Done inside the post (UCX cma): reported in this step, with no library call. An unsettled
+            # one waits for the next step's poll (polled at once it never was DONE: 1500 of 1500).
+            if outcome.settled:
+                self._check_write(action.op_id, handle)
+        elif isinstance(outcome, NotPosted):
+            self._events.append((self.sender, WriteNotSubmitted(action.op_id, outcome.reason)))  # type: ignore[arg-type]
+        elif isinstance(outcome, InDoubt):
+            self._writes[action.op_id] = outcome.handle  # rooted and polled until DONE (rule 4)
+            self._in_doubt.add(action.op_id)
+            self._events.append((self.sender, WriteSubmitFailed(action.op_id, outcome.reason)))  # type: ignore[arg-type]
 
-    def _conclude(self, core: RankCore, action: Conclude) -> None:
+    def _conclude(self, core: RankCore[Any], action: Conclude) -> None:
         rid = action.request_id
         self.recorder.note(EV_CONCLUDE, rid, action.outcome.value, action.reason)
         if core is self.sender:
@@ -756,7 +774,7 @@ class Driver:
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
         _finish(handle, handle.retired)
 
-    def _refuse(self, core: RankCore, action: AdmissionRefused) -> None:
+    def _refuse(self, core: RankCore[Any], action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
         if core is self.sender:
             state = self._sends.pop(action.request_id, None)

@@ -51,6 +51,7 @@ def test_release_waits_for_the_consumers_cuda_event() -> None:
     assert _held_while_the_reader_runs()
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(120)
 def test_the_gpu_release_check_catches_a_driver_that_drops_the_token(monkeypatch) -> None:
     original = Driver._release

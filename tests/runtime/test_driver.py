@@ -290,6 +290,7 @@ def test_a_release_waits_for_the_consumers_ready_token() -> None:
     assert _release_waits_for_the_token(Pair())
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(30)
 def test_a_release_that_ignores_its_token_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     original = Driver._release
@@ -444,6 +445,7 @@ def test_handle_times_are_the_events_own_even_for_a_command_taken_mid_step() -> 
     assert all(v >= 0 for v in _handle_times_are_true(p))
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(30)
 def test_the_clock_check_catches_stamps_taken_from_the_steps_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the old stamps (the ``now_ns`` the engine read before the step) - negative latencies."""
@@ -455,6 +457,7 @@ def test_the_clock_check_catches_stamps_taken_from_the_steps_start(monkeypatch: 
     assert any(v < 0 for v in _handle_times_are_true(p))
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(30)
 def test_the_late_release_check_catches_a_driver_that_hands_it_to_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the driver passes a late Release to the core, which refuses it as an illegal input."""
@@ -566,6 +569,7 @@ def _planted_core_bug(p: Pair, monkeypatch: pytest.MonkeyPatch):
     return rid, handle
 
 
+@pytest.mark.interpreted_only("it plants a core bug by patching a core's handle, which compiled code never looks up")
 @pytest.mark.timeout(30)
 def test_a_local_protocol_error_inside_the_engine_fail_stops_with_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
     p = Pair()
@@ -579,6 +583,7 @@ def test_a_local_protocol_error_inside_the_engine_fail_stops_with_invariant(monk
     assert p.drivers[RX].stats["local_protocol_errors"] == 1 and TX not in p.fatal
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(30)
 def test_the_core_bug_check_catches_a_driver_that_swallows_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the old driver, which counted a LocalProtocolError as "a race between API calls" and went on."""
@@ -638,6 +643,7 @@ def test_a_watermark_over_a_live_session_is_a_counted_no_op() -> None:
     assert handle.outcome.result(0) is Outcome.COMPLETED and not p.fatal
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.timeout(30)
 def test_the_watermark_check_catches_a_driver_that_hands_it_to_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the driver asks no core first: the receiver core refuses it, and that is our bug (rule 6a)."""

@@ -44,6 +44,8 @@ REGISTRY: dict[str, Workload] = {
                      ("--parts", "engine,scale,fence")),
     "fence": Workload("kvown.apps.benchmarks.cost", None, "cancellation fence: bytes per fenced id at 1M ids",
                       ("--parts", "fence")),
+    "builds": Workload("kvown.apps.benchmarks.builds", None, "engine CPU per session: interpreted vs compiled hot "
+                       "path, alternating rounds (needs make build-compiled)"),
     "control": Workload("kvown.apps.benchmarks.control", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
     "kernels": Workload("kvown.apps.benchmarks.kernels", None, "NVFP4 quantize/dequantize and checksum vs torch's copy"),
     "failstop": Workload("", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N",
