@@ -373,10 +373,12 @@ class Driver:
         """Stamp ``published_ns`` on a send's handle once a receiver's publication attached to it (an
         arriving REQUEST_DATA, or a saved one when the session opened)."""
         source = event.envelope.message if type(event) is MessageReceived else event
-        rid: int | None = getattr(source, "request_id", None)  # a WATERMARK or HELLO names no request
-        handle = None if rid is None else self._unpublished.get(rid)
-        if handle is not None and self.sender.published(rid):  # type: ignore[union-attr, arg-type]
-            del self._unpublished[rid]  # type: ignore[arg-type]
+        rid: int | None = getattr(source, "request_id", None)
+        if rid is None or self.sender is None:  # a WATERMARK or HELLO names no request: nothing to stamp
+            return
+        handle = self._unpublished.get(rid)
+        if handle is not None and self.sender.published(rid):
+            del self._unpublished[rid]
             handle.published_ns = self._stamp()
 
     # ---- commands ------------------------------------------------------------------------------
