@@ -36,7 +36,8 @@ def test_kvown_bench_quick_writes_every_metric(tmp_path) -> None:
     assert not missing, (missing, metrics)
     assert metrics["w2_violations_kvown"] == 0  # safety: no write landed after a retirement
     assert result["raw"]["frozen"]["retired_before_abort"] is False  # nothing retired before fail-stop
-    assert result["raw"]["frozen"]["all_dumps_name_the_deadline"]
+    frozen = result["raw"]["frozen"]
+    assert frozen["all_dumps_name_the_deadline"], [(r.get("reason"), r.get("detail")) for r in frozen["runs"]]
     env, transport = result["environment"], result["transport"]
     assert env["nixl"] != "-" and env["python"] and env["ucx"] != "unknown"
     assert transport["write"] != "unknown" and transport["notifications"] != "unknown"
