@@ -7,6 +7,9 @@ Rules:
   3. A run is started in its own session (``start_new_session=True``) and ended by session: Open MPI's
      launcher puts every rank in a process group of its own, so killing the launcher's group leaves
      the ranks running (orphans that busy-poll a barrier forever). ``kill_session`` signals them all.
+  4. A launcher that died before starting any rank, with one of Open MPI's known start-up failures in
+     its log (``LAUNCHER_START_FAILURES``), may be retried once by its caller, which records the retry:
+     nothing of kvown ran, so no result is lost or hidden. Any other failure is the run's own.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+
+# Open MPI start-up failures that happen before any rank exists (seen on CI: PMIx's listener thread).
+LAUNCHER_START_FAILURES = ("PMIx server's listener thread failed to start",)
+
+
+def launcher_failed_to_start(log_text: str, ranks_started: bool) -> bool:
+    """Rule 4: True when no rank started and the launcher's log names a known start-up failure."""
+    return not ranks_started and any(marker in log_text for marker in LAUNCHER_START_FAILURES)
 
 
 def find_mpirun() -> Path | None:

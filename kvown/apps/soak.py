@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvown.adapters.mpirun import kill_group, mpirun_command
+from kvown.adapters.mpirun import kill_group, launcher_failed_to_start, mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 ROTATION: tuple[tuple[str, int], ...] = (
@@ -178,15 +178,11 @@ def run_world(
     )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     t0 = time.monotonic()
-    with open(world_dir / "world.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=duration_s + args.grace_run_s + 60)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            rc = 124
+    for launch in range(2):  # a second launch only after Open MPI failed to start any rank (rule 4 there)
+        rc = _launch_world(cmd, env, world_dir / "world.log", duration_s + args.grace_run_s + 60)
+        log_text = (world_dir / "world.log").read_text(errors="replace")
+        if rc == 0 or not launcher_failed_to_start(log_text, bool(read_samples(world_dir))):
+            break
     figures = world_figures(
         read_samples(world_dir), args.warmup_s if args.warmup_s is not None else min(60.0, duration_s / 3)
     )
@@ -197,11 +193,25 @@ def run_world(
         "ranks": ranks,
         "duration_s": round(duration_s, 1),
         "exit_code": rc,
+        "launch_retries": launch,
         "wall_s": round(time.monotonic() - t0, 1),
         "dir": str(world_dir),
         "flight_recorders": flights,
         **figures,
     }
+
+
+def _launch_world(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> int:
+    """One bounded world: its exit code, 124 when it outlived ``timeout_s`` (its session killed)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            return 124
 
 
 def summarize(worlds: list[dict], args: argparse.Namespace) -> dict[str, Any]:

@@ -32,11 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 from kvown.apps.benchmarks.common import environment, write_json  # noqa: E402
+from kvown.apps.benchmarks.slow import SlowSessions  # noqa: E402
 
 RX, STEADY, FROZEN = 0, 1, 2
 
@@ -136,7 +137,6 @@ def rank_program(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from kvown import KVLayout, TransferConfig, connect_mpi, make_request_id
-    from kvown.apps.benchmarks.slow import SlowSessions
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -161,25 +161,7 @@ def rank_program(args: argparse.Namespace) -> int:
             rt.sender.send(r, range(4))
         return 0
     receiver = rt.receiver
-    live: collections.deque = collections.deque()
-    completed = 0
-    slow = SlowSessions(slow_s=2 * args.timeout_s, give_up_s=10 * args.timeout_s + 10.0)
-    t_end = time.monotonic() + args.load_s
-    turn = 0
-    while time.monotonic() < t_end:  # load: both writers, a window of sessions in flight
-        while len(live) < args.window:
-            writer = STEADY if turn % 2 == 0 else FROZEN
-            turn += 1
-            r = rid()
-            h = receiver.receive(r, 4, writers=(writer,))
-            comm.send(r, dest=writer, tag=5)
-            live.append((writer, h))
-        _, h = live.popleft()
-        # a session kvown timed out under load retires without landing: slow, counted, never a crash
-        if slow.wait("frozen-load", h.request_id, "landed", h.landed, instead=h.retired):
-            receiver.release(h.request_id)
-            slow.wait("frozen-load", h.request_id, "retired", h.retired)
-            completed += 1
+    live, completed, slow = _load(receiver, comm, rid, args)
     # stuck: published to the writer about to freeze, and no report from it yet (its claim is open)
     stuck = [h.request_id for w, h in live if w == FROZEN and not h.landed.is_set()]
     for _, h in list(live):
@@ -204,6 +186,31 @@ def rank_program(args: argparse.Namespace) -> int:
         if h.landed.wait(2):
             receiver.release(r)
             h.retired.wait(2)
+
+
+def _load(receiver: Any, comm: Any, rid: Callable[[], int], args: argparse.Namespace) -> tuple:
+    """The load phase: both writers in turn, ``--window`` sessions in flight, for ``--load-s``.
+    Returns (the sessions still live, how many completed, the slow sessions)."""
+    live: collections.deque = collections.deque()
+    completed = 0
+    slow = SlowSessions(slow_s=2 * args.timeout_s, give_up_s=10 * args.timeout_s + 10.0)
+    t_end = time.monotonic() + args.load_s
+    turn = 0
+    while time.monotonic() < t_end:
+        while len(live) < args.window:
+            writer = STEADY if turn % 2 == 0 else FROZEN
+            turn += 1
+            r = rid()
+            h = receiver.receive(r, 4, writers=(writer,))
+            comm.send(r, dest=writer, tag=5)
+            live.append((writer, h))
+        _, h = live.popleft()
+        # a session kvown timed out under load retires without landing: slow, counted, never a crash
+        if slow.wait("frozen-load", h.request_id, "landed", h.landed, instead=h.retired):
+            receiver.release(h.request_id)
+            slow.wait("frozen-load", h.request_id, "retired", h.retired)
+            completed += 1
+    return live, completed, slow
 
 
 def main(argv: list[str] | None = None) -> int:
