@@ -29,6 +29,10 @@ def _hot_path() -> list[str]:
     raise RuntimeError("kvown/runtime/build.py has no HOT_PATH")
 
 
+# the packages a compiled module may sit in (a stale .so there would win the import); kernels/ is not one
+_HOT_PACKAGES = ("adapters", "cache", "core", "runtime")
+
+
 MYPYC_GROUP = "kvown_hot"  # the shared library is kvown_hot__mypyc; each module gets a small shim
 
 
@@ -80,7 +84,7 @@ class BuildExt(build_ext):
         """Remove compiled modules an earlier build left in build/lib: the wheel takes everything there,
         so an interpreted build (or a shorter HOT_PATH) would otherwise ship a stale .so that wins."""
         root = Path(self.build_lib)
-        for path in [*root.glob("kvown_hot__mypyc*"), *root.glob("kvown/core/*.so"), *root.glob("kvown/runtime/*.so")]:
+        for path in [*root.glob("kvown_hot__mypyc*"), *(p for sub in _HOT_PACKAGES for p in root.glob(f"kvown/{sub}/*.so"))]:
             path.unlink()
 
 

@@ -322,7 +322,7 @@ class NixlEndpoint:
         self._regions: dict[Region, Any] = {}
         self._breaks: set[int] = set()
         self._peers: set[str] = set()
-        self._prepped: list[PreppedBlocks] = []
+        self._prepped: dict[int, PreppedBlocks] = {}  # id -> live prepped list (the dict holds it alive)
         self._live: dict[int, XferHandle] = {}  # INV-NX-1: the root of every unreleased handle
         self._ids = itertools.count(1)
         self._closed = False
@@ -458,7 +458,7 @@ class NixlEndpoint:
         self._check_peer(peer)
         if any(h.peer == peer for h in self._live.values()):
             raise LocalProtocolError("remove_peer with live handles to it", field="peer", peer=peer)
-        for prep in [p for p in self._prepped if p.peer == peer]:
+        for prep in [p for p in self._prepped.values() if p.peer == peer]:
             self.release_prepped(prep)
         self._peers.discard(peer)
         try:
@@ -566,7 +566,7 @@ class NixlEndpoint:
                                peer=peer, num_descs=int(addrs.size)) from e
         uniform = int(sizes[0]) if bool((sizes == sizes[0]).all()) else 0
         prep = PreppedBlocks(addrs, sizes, mem, device_id, peer, lib, count=int(addrs.size), uniform_nbytes=uniform)
-        self._prepped.append(prep)
+        self._prepped[id(prep)] = prep
         return prep
 
     def release_prepped(self, prep: PreppedBlocks) -> None:
@@ -578,7 +578,7 @@ class NixlEndpoint:
         except Exception as e:
             raise AdapterError("could not release the prepped list", cause=e, op="release_dlist_handle") from e
         prep.released = True
-        self._prepped = [p for p in self._prepped if p is not prep]
+        self._prepped.pop(id(prep), None)
 
     def post_write_blocks(
         self,
@@ -598,7 +598,7 @@ class NixlEndpoint:
         self._check_peer(peer)
         self._check_notif(notif)
         for prep, side in ((local_prep, "local_prep"), (remote_prep, "remote_prep")):
-            if prep.released or not any(p is prep for p in self._prepped):
+            if self._prepped.get(id(prep)) is not prep:  # released, or another endpoint's
                 raise LocalProtocolError("prepped list is not live on this endpoint", field=side)
         if local_prep.peer is not None:
             raise LocalProtocolError("local_prep must be prepped with peer=None", field="local_prep")
@@ -785,7 +785,7 @@ class NixlEndpoint:
             self.flush_notifs(flush_s)
         except AdapterError as e:
             first = e
-        for prep in list(self._prepped):
+        for prep in list(self._prepped.values()):
             try:
                 self.release_prepped(prep)
             except AdapterError as e:

@@ -21,6 +21,8 @@ from typing import Any
 # class cannot subclass a native one.
 HOT_PATH = (
     "kvown.adapters.codec",
+    "kvown.adapters.transport",
+    "kvown.cache.pool",
     "kvown.core.actions",
     "kvown.core.deadline",
     "kvown.core.events",
@@ -34,6 +36,7 @@ HOT_PATH = (
     "kvown.core.streams",
     "kvown.runtime.driver",
     "kvown.runtime.flight",
+    "kvown.runtime.resend",
 )
 
 

@@ -20,14 +20,16 @@ Rules:
 
 Invariants:
   INV-CMD1  ``Ticket.take`` and ``Ticket.withdraw`` together return True at most once.
-  INV-CMD2  A ``LazyEvent`` waiter returns True if and only if ``set`` was called before or during
-            its wait (why it holds: docs/design.md section 14).
+  INV-CMD2  A ``LazyEvent`` / ``LazyFuture`` waiter sees a set made before or during its wait (docs/design.md 14).
+  INV-CMD3  A ``LazyFuture`` runs each done-callback exactly once, after it is done (docs/design.md 17.1).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
+import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -80,6 +82,115 @@ class LazyEvent:
         return f"LazyEvent(set={self._flag})"
 
 
+_log = logging.getLogger(__name__)
+_FIRED: tuple[Any, ...] = ()  # LazyFuture._callbacks once they ran (or were claimed to run)
+
+
+class LazyFuture(Future[Any]):
+    """A ``concurrent.futures.Future`` that builds no ``Condition`` until somebody waits.
+
+    Set once by the engine, read by API threads. A ``Future`` creates a ``Condition`` (and its ``RLock``)
+    at birth and takes it on every ``done`` / ``result`` / ``exception`` and notifies on ``set_*``; a
+    handle's outcome and a receive's ticket are two per session per side, and nearly nobody waits on them.
+    Here the state is three plain slots written in a fixed order (value, then ``_done``), the waiters'
+    ``threading.Event`` is made by the first waiter (as ``LazyEvent``: INV-CMD2), and callbacks are
+    claimed under one shared lock so each runs exactly once (INV-CMD3). It is a ``Future`` subclass so
+    ``asyncio.wrap_future`` and ``isinstance`` checks keep working. It behaves as a ``Future`` marked
+    running at birth: ``cancel`` is refused (a caller can never make the engine's ``set_*`` raise).
+    """
+
+    _create = threading.Lock()  # waiters creating the event, callbacks being added or claimed (rare)
+
+    def __init__(self) -> None:  # no super().__init__(): that is the Condition this class avoids
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._event: threading.Event | None = None
+        self._callbacks: list[Callable[[Future[Any]], object]] | tuple[Any, ...] | None = None
+
+    # -- the engine's side
+    def set_result(self, result: Any) -> None:
+        self._settle(result, None)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._settle(None, exception)
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        if self._done:
+            raise concurrent.futures.InvalidStateError(f"{self!r} is already done")
+        self._value, self._error = value, error
+        self._done = True  # after the value: a reader that sees done sees the value
+        event = self._event  # read after _done is written (INV-CMD2)
+        if event is not None:
+            event.set()
+        if self._callbacks is not None:  # read after _done is written (INV-CMD3)
+            self._fire()
+
+    def _fire(self) -> None:
+        with LazyFuture._create:
+            callbacks, self._callbacks = self._callbacks, _FIRED
+        for fn in callbacks or ():
+            self._run(fn)
+
+    def _run(self, fn: Callable[[Future[Any]], object]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - as Future does: a caller's callback never breaks the engine
+            _log.exception("a done-callback of %r raised", self)
+
+    # -- the readers' side
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return not self._done
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        event = self._event
+        if event is None:
+            with LazyFuture._create:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+        if not self._done and not event.wait(timeout):  # _done re-read after our event is visible
+            raise TimeoutError(f"{self!r} not done within {timeout} s")
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        with LazyFuture._create:
+            pending = not self._done and self._callbacks is not _FIRED
+            if pending:
+                self._callbacks = [*(self._callbacks or ()), fn]
+        if not pending:
+            self._run(fn)
+        elif self._done:  # the engine may have settled before our list was visible to it (INV-CMD3)
+            self._fire()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else "error" if self._error is not None else "finished"
+        return f"LazyFuture({state})"
+
+
 class AdmissionError(KvownError):
     """A session was refused (fail-stop latched, receiver quarantined, stale epoch). Nothing was created."""
 
@@ -116,7 +227,7 @@ class SendHandle:
     """Returned by ``Sender.send``. ``released`` is set when no WRITE can still read the source blocks."""
 
     request_id: int
-    outcome: Future[Outcome] = field(default_factory=Future)
+    outcome: Future[Outcome] = field(default_factory=LazyFuture)
     released: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
     published_ns: int = 0  # the first receiver's publication attached to this session
@@ -147,7 +258,7 @@ class ReceiveHandle:
     request_id: int
     blocks: tuple[int, ...] = ()
     aux_slot: int = -1
-    outcome: Future[Outcome] = field(default_factory=Future)
+    outcome: Future[Outcome] = field(default_factory=LazyFuture)
     landed: LazyEvent = field(default_factory=LazyEvent)
     retired: LazyEvent = field(default_factory=LazyEvent)
     opened_ns: int = 0
@@ -199,7 +310,7 @@ class Ticket:
 
     def __init__(self) -> None:
         self._latch = threading.Lock()
-        self.future: Future[Any] = Future()
+        self.future: Future[Any] = LazyFuture()
 
     def take(self) -> bool:
         """The driver takes the command. False: the caller withdrew it. Called: engine thread."""
@@ -393,6 +504,6 @@ class Call(Command):
     future: Future[Any]
 
 
-__all__ = ["AdmissionError", "Call", "Cancel", "CloseResult", "CloseStatus", "Command", "LazyEvent", "LiveRequests",
+__all__ = ["AdmissionError", "Call", "Cancel", "CloseResult", "CloseStatus", "Command", "LazyEvent", "LazyFuture", "LiveRequests",
            "LocalCopy", "ReceiveHandle", "ReceivePhase", "Receive", "Release", "Send", "SendHandle", "SendPhase",
            "ReceiveStatus", "SendStatus", "SetWatermark", "Ticket"]

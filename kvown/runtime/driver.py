@@ -37,6 +37,7 @@ import torch
 from kvown.adapters.codec import FrameCodec
 from kvown.adapters.transport import InDoubt, NotPosted, Posted, Role, Transport, WriteStatus
 from kvown.cache.canary import Canaries
+from kvown.cache.lent import LentBlocks
 from kvown.cache.pool import KVPool
 from kvown.core.actions import (
     Action,
@@ -131,7 +132,7 @@ class Driver:
         peers: tuple[int, ...],
         roles: frozenset[Role],
         transport: Transport,
-        pool: KVPool,
+        pool: KVPool | LentBlocks,
         aux: torch.Tensor,
         key: bytes,
         config: TransferConfig,
@@ -162,7 +163,8 @@ class Driver:
         self.router = Router(rank, self.sender, self.receiver, self.inn)  # routing and carried reports (rule 3a)
         self.resend = ResendQueue(transport, retry_s=config.control_retry_s, stats=self.stats, recorder=recorder)
         self.fatal: FailStop | None = None
-        self.canaries = Canaries.of_pool(pool) if config.canary else None
+        # lent memory has no canaries (kvown.rank refuses the pair with a ConfigError naming ``canary``)
+        self.canaries = Canaries.of_pool(pool) if config.canary and isinstance(pool, KVPool) else None
         self._now_ns = 0
         self._events: collections.deque[tuple[RankCore[Any], Event]] = collections.deque()
         self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
@@ -247,7 +249,7 @@ class Driver:
             "saved_publications": sender.saved_publications() if sender is not None else 0,
             "held_frames": self.inn.held_count(),
         }
-        free = tuple(self.pool.free_blocks()) if hasattr(self.pool, "free_blocks") else ()
+        free = tuple(self.pool.free_blocks()) if isinstance(self.pool, KVPool) else ()
         broken: list[Any] = []
         if check_canaries and self.canaries is not None and free:
             broken = self.canaries.check(free)
@@ -286,7 +288,7 @@ class Driver:
             rank=self.rank, roles=self._roles, peers=frozen_peers(getattr(self.transport, "peers", {})),
             num_blocks=pool.num_blocks, num_kv_heads=pool.heads(),
             block_nbytes=sum(r.chunk_nbytes for r in pool.space().regions),
-            aux_slots=config.aux_slots, aux_slot_nbytes=config.aux_slot_nbytes, lent=hasattr(pool, "lend"),
+            aux_slots=config.aux_slots, aux_slot_nbytes=config.aux_slot_nbytes, lent=isinstance(pool, LentBlocks),
             version=version,
         )
 
@@ -506,7 +508,9 @@ class Driver:
 
                 raise PoolExhausted("no free aux slot", requested=1, free=0, owner=rid)
             if command.blocks:  # bring-your-own memory: the server lends these (kvown.cache.lent)
-                blocks = self.pool.lend(command.blocks, owner=rid)  # type: ignore[attr-defined]
+                if not isinstance(self.pool, LentBlocks):  # the API refuses it first (view.lent)
+                    raise LocalProtocolError("this rank allocates its own blocks", field="blocks")
+                blocks = self.pool.lend(command.blocks, owner=rid)
             else:
                 blocks = self.pool.allocate(command.num_blocks, owner=rid)
         except KvownError as exc:  # PoolExhausted: back-pressure, nothing changed

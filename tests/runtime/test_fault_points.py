@@ -34,6 +34,21 @@ def _no_real_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     forbid_real_clock(monkeypatch)
 
 
+class _Spied:
+    """The transport, noting every frame that really left (a wrapper: the compiled ``KVTransport`` is closed
+    to patching, docs/design.md 17 rule 9)."""
+
+    def __init__(self, inner: KVTransport, sent: list[bytes]) -> None:
+        self._inner, self._sent = inner, sent
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def send(self, dst: int, frame: bytes) -> None:
+        self._inner.send(dst, frame)
+        self._sent.append(frame)
+
+
 class World(DriverPair):
     def __init__(self, plan: str, *, carry: bool = True) -> None:
         self.faulty: dict[int, FaultyTransport] = {}
@@ -41,8 +56,8 @@ class World(DriverPair):
         self.sent: dict[int, list[bytes]] = {TX: [], RX: []}  # frames that really left, WRITE notifications too
 
         def wrap(transport: KVTransport, rank: int) -> FaultyTransport:
-            transport.send = self._spy(transport.send, rank)
-            faulty = FaultyTransport(transport, rank, lambda: self.now, plan=parse_plan(plan, rank))
+            spied = _Spied(transport, self.sent[rank])
+            faulty = FaultyTransport(spied, rank, lambda: self.now, plan=parse_plan(plan, rank))
             faulty.crash_action = lambda point, r=rank: self.seen.append((r, point, self.facts()))
             self.faulty[rank] = faulty
             return faulty
@@ -51,13 +66,6 @@ class World(DriverPair):
                                 canary=True, carry_results=carry)
         super().__init__(config, layout=LAYOUT, key=KEY, wrap_transport=wrap, on_fail_stop=lambda r, a: None)
         self.handle = None
-
-    def _spy(self, send, rank: int):
-        def spied(dst: int, frame: bytes) -> None:
-            send(dst, frame)
-            self.sent[rank].append(frame)
-
-        return spied
 
     def facts(self) -> dict:
         rx, tx = self.drivers[RX], self.drivers[TX]

@@ -62,7 +62,7 @@ def test_the_memory_is_invisible_to_the_garbage_collector() -> None:
 @pytest.mark.timeout(60)
 def test_mutant_remembering_result_objects_grows_the_collectors_heap(monkeypatch) -> None:
     """The old memory: one ``CloseResult`` (and a tuple key) per finished session, each traversed by
-    every full collection."""
+    every full collection (up to 64 of the last sessions are still handles, not yet records)."""
     monkeypatch.setattr(commands, "_pack", lambda result: result)
     monkeypatch.setattr(commands, "_unpack", lambda rid, result: result)
-    assert _tracked_growth(5000) >= 5000
+    assert _tracked_growth(5000) >= 5000 - 64
