@@ -92,20 +92,19 @@ class LazyFuture(Future[Any]):
     Set once by the engine, read by API threads. A ``Future`` creates a ``Condition`` (and its ``RLock``)
     at birth and takes it on every ``done`` / ``result`` / ``exception`` and notifies on ``set_*``; a
     handle's outcome and a receive's ticket are two per session per side, and nearly nobody waits on them.
-    Here the state is three plain slots written in a fixed order (value, then ``_done``), the waiters'
-    ``threading.Event`` is made by the first waiter (as ``LazyEvent``: INV-CMD2), and callbacks are
-    claimed under one shared lock so each runs exactly once (INV-CMD3). It is a ``Future`` subclass so
+    Here the value is a plain attribute written before a ``LazyEvent`` is set (so waiters get its
+    INV-CMD2, and a reader that sees it set sees the value), and callbacks are claimed under one shared
+    lock so each runs exactly once (INV-CMD3). It is a ``Future`` subclass so
     ``asyncio.wrap_future`` and ``isinstance`` checks keep working. It behaves as a ``Future`` marked
     running at birth: ``cancel`` is refused (a caller can never make the engine's ``set_*`` raise).
     """
 
-    _create = threading.Lock()  # waiters creating the event, callbacks being added or claimed (rare)
+    _claim = threading.Lock()  # callbacks being added or claimed (rare; never taken without callbacks)
 
     def __init__(self) -> None:  # no super().__init__(): that is the Condition this class avoids
-        self._done = False
+        self._set = LazyEvent()
         self._value: Any = None
         self._error: BaseException | None = None
-        self._event: threading.Event | None = None
         self._callbacks: list[Callable[[Future[Any]], object]] | tuple[Any, ...] | None = None
 
     # -- the engine's side
@@ -116,18 +115,15 @@ class LazyFuture(Future[Any]):
         self._settle(None, exception)
 
     def _settle(self, value: Any, error: BaseException | None) -> None:
-        if self._done:
+        if self._set.is_set():
             raise concurrent.futures.InvalidStateError(f"{self!r} is already done")
         self._value, self._error = value, error
-        self._done = True  # after the value: a reader that sees done sees the value
-        event = self._event  # read after _done is written (INV-CMD2)
-        if event is not None:
-            event.set()
-        if self._callbacks is not None:  # read after _done is written (INV-CMD3)
+        self._set.set()  # after the value: a reader that sees it set sees the value
+        if self._callbacks is not None:  # read after the set (INV-CMD3)
             self._fire()
 
     def _fire(self) -> None:
-        with LazyFuture._create:
+        with LazyFuture._claim:
             callbacks, self._callbacks = self._callbacks, _FIRED
         for fn in callbacks or ():
             self._run(fn)
@@ -140,7 +136,7 @@ class LazyFuture(Future[Any]):
 
     # -- the readers' side
     def done(self) -> bool:
-        return self._done
+        return self._set.is_set()
 
     def cancel(self) -> bool:
         return False
@@ -149,21 +145,13 @@ class LazyFuture(Future[Any]):
         return False
 
     def running(self) -> bool:
-        return not self._done
+        return not self._set.is_set()
 
     def set_running_or_notify_cancel(self) -> bool:
         return True
 
     def _wait(self, timeout: float | None) -> None:
-        if self._done:
-            return
-        event = self._event
-        if event is None:
-            with LazyFuture._create:
-                if self._event is None:
-                    self._event = threading.Event()
-                event = self._event
-        if not self._done and not event.wait(timeout):  # _done re-read after our event is visible
+        if not self._set.wait(timeout):
             raise TimeoutError(f"{self!r} not done within {timeout} s")
 
     def result(self, timeout: float | None = None) -> Any:
@@ -177,17 +165,17 @@ class LazyFuture(Future[Any]):
         return self._error
 
     def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
-        with LazyFuture._create:
-            pending = not self._done and self._callbacks is not _FIRED
+        with LazyFuture._claim:
+            pending = not self._set.is_set() and self._callbacks is not _FIRED
             if pending:
                 self._callbacks = [*(self._callbacks or ()), fn]
         if not pending:
             self._run(fn)
-        elif self._done:  # the engine may have settled before our list was visible to it (INV-CMD3)
+        elif self._set.is_set():  # the engine may have settled before our list was visible to it (INV-CMD3)
             self._fire()
 
     def __repr__(self) -> str:
-        state = "pending" if not self._done else "error" if self._error is not None else "finished"
+        state = "pending" if not self._set.is_set() else "error" if self._error is not None else "finished"
         return f"LazyFuture({state})"
 
 

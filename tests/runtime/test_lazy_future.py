@@ -50,7 +50,7 @@ def test_it_reads_like_a_future(make: Any) -> None:
 def test_the_handles_use_it() -> None:
     for future in (SendHandle(1).outcome, ReceiveHandle(1).outcome, Ticket().future):
         assert type(future) is LazyFuture and isinstance(future, concurrent.futures.Future)
-        assert future._event is None  # nobody waited: no Event, no Condition
+        assert future._set._event is None  # nobody waited: no Event, no Condition
 
 
 def test_asyncio_can_await_it() -> None:
@@ -100,14 +100,14 @@ def test_racing_waiters_and_callbacks_are_never_missed() -> None:
 
 
 class _SettledMidAdd(LazyFuture):
-    """Forces the one bad interleaving: the engine settles after ``add_done_callback`` checked ``_done``
+    """Forces the one bad interleaving: the engine settles after ``add_done_callback`` checked the flag
     and before its list is visible (the engine then sees no callback to run)."""
 
     armed = True
 
     @property  # type: ignore[override]
     def _callbacks(self) -> Any:
-        if self.armed and not self._done and self.__dict__.get("_cb") is None:
+        if self.armed and not self._set.is_set() and self.__dict__.get("_cb") is None:
             self.armed = False
             self.set_result("late")  # the engine's whole set_result runs here, between the two steps
         return self.__dict__.get("_cb")
@@ -118,9 +118,9 @@ class _SettledMidAdd(LazyFuture):
 
 
 def _add_without_recheck(future: LazyFuture, fn: Any) -> None:
-    """The planted bug: ``add_done_callback`` without the re-check after publishing its list."""
-    with LazyFuture._create:
-        pending = not future._done and future._callbacks is not commands._FIRED
+    """The planted bug: ``add_done_callback`` without the second look after publishing its list."""
+    with LazyFuture._claim:
+        pending = not future._set.is_set() and future._callbacks is not commands._FIRED
         if pending:
             future._callbacks = [*(future._callbacks or ()), fn]
     if not pending:
@@ -131,7 +131,7 @@ def test_the_recheck_is_what_runs_a_callback_added_during_the_set() -> None:
     future = _SettledMidAdd()
     seen: list[Any] = []
     future.add_done_callback(lambda f: seen.append(f.result()))
-    assert seen == ["late"]  # the re-check saw _done and ran it
+    assert seen == ["late"]  # the second look saw it done and ran it
     broken = _SettledMidAdd()
     lost: list[Any] = []
     _add_without_recheck(broken, lambda f: lost.append(f.result()))
