@@ -12,7 +12,7 @@ from kvown.core.actions import FatalReason, Outcome
 from kvown.core.errors import LocalProtocolError
 from kvown.core.ids import make_request_id
 from kvown.adapters.cuda import HostReadyToken
-from kvown.runtime.commands import CloseStatus, LiveRequests, ReceivePhase, SendPhase
+from kvown.runtime.commands import CloseStatus, LiveRequests, Receive, ReceivePhase, SendPhase, Ticket
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.driver import Driver
 from kvown.testing.clockguard import forbid_real_clock
@@ -653,3 +653,19 @@ def test_the_watermark_check_catches_a_driver_that_hands_it_to_the_core(monkeypa
     p = Pair()
     _watermark_over_a_live_session(p)
     assert p.fatal[RX].reason is FatalReason.INVARIANT and "WatermarkSet" in p.fatal[RX].detail
+
+
+@pytest.mark.timeout(30)
+def test_a_lend_to_a_rank_that_allocates_is_refused_naming_blocks() -> None:
+    """Bad input past the API (a command built by hand): blocks= on a rank whose pool is kvown's own is a
+    typed refusal on the ticket, the pool unchanged and the engine alive (the old driver called a
+    ``lend`` the pool does not have and died of an AttributeError)."""
+    p = Pair()
+    free = p.drivers[RX].pool.statistics().free
+    ticket = Ticket()
+    p.drivers[RX].submit(Receive(make_request_id(1, 1), 2, (TX,), 1, False, ticket, blocks=(0, 1)))
+    p.run(ticket.future.done, steps=5)
+    error = ticket.future.exception(0)
+    assert isinstance(error, LocalProtocolError) and error.field == "blocks"
+    assert p.drivers[RX].pool.statistics().free == free and p.drivers[RX].fatal is None
+    p.transfer(2)  # the rank still serves the next receive
