@@ -129,7 +129,8 @@ class FakeFabric:
     Called: created once per test / simulated world; knobs set by the test between steps.
     """
 
-    def __init__(self, default_delay_polls: int = 1, *, rng: Any = None, p_land_at_post: float = 0.0) -> None:
+    def __init__(self, default_delay_polls: int = 1, *, rng: Any = None, p_land_at_post: float = 0.0,
+                 record_posted: bool = True) -> None:
         self.default_delay_polls = default_delay_polls
         self.write_faults: list[WriteFault] = []
         self.notif_faults: list[NotifFault] = []
@@ -139,6 +140,8 @@ class FakeFabric:
         self.rng = rng  # with p_land_at_post: a WRITE's bytes land inside transfer() (UCX cma)
         self.p_land_at_post = p_land_at_post
         self._xfers: list[_Xfer] = []  # every posted WRITE not yet reported DONE (for oracles)
+        self._xfers_pruned_len = 0  # len(_xfers) after its last pruning (amortized: never a leak)
+        self.record_posted = record_posted  # False: nobody calls take_posted (a benchmark), keep none
         self._posted: list[_Xfer] = []  # WRITEs posted since the last take_posted() (for oracles)
         self._agents: dict[str, _FakeAgent] = {}
         self._ghosts: list[list[Any]] = []  # [ticks_left, _Xfer]: failed writes still to land
@@ -164,13 +167,19 @@ class FakeFabric:
     def unfinished_writes(self) -> list[tuple[str, str, list[tuple[int, int, int]]]]:
         """(src agent, dst agent, pieces) of every posted WRITE not reported DONE: each may still touch
         its destination (a failed one is in doubt, whatever its fate). For simulator oracles."""
-        self._xfers = [x for x in self._xfers if not x.finished]
+        self._prune_xfers()
         return [(x.src, x.dst, x.pieces) for x in self._xfers]
 
     def take_posted(self) -> list[tuple[str, list[tuple[int, int, int]]]]:
         """(src agent, pieces) of every WRITE created since the last call. For simulator oracles."""
         posted, self._posted = self._posted, []
         return [(x.src, x.pieces) for x in posted]
+
+    @property
+    def tracked_writes(self) -> int:
+        """Posted WRITEs the fabric still keeps: the unfinished ones, plus finished ones not yet pruned
+        (pruned whenever the list doubles, so a long run holds O(in flight), never every WRITE)."""
+        return len(self._xfers)
 
     @property
     def pending_ghosts(self) -> int:
@@ -185,6 +194,10 @@ class FakeFabric:
         return len(ghosts)
 
     # -- internal
+    def _prune_xfers(self) -> None:
+        self._xfers = [x for x in self._xfers if not x.finished]
+        self._xfers_pruned_len = len(self._xfers)
+
     def _tick(self) -> None:
         self.ticks += 1
         still = []
@@ -337,8 +350,12 @@ class _FakeAgent:
             raise RuntimeError("NIXL_ERR_BACKEND: injected failure preparing the transfer")
         pieces = [(la, ra, n) for (la, n), (ra, _) in zip(lrows, rrows)]
         x = _Xfer(self.name, peer, pieces, bytes(notif), fault)
-        self.fabric._xfers.append(x)
-        self.fabric._posted.append(x)
+        fabric = self.fabric
+        fabric._xfers.append(x)
+        if len(fabric._xfers) > 2 * fabric._xfers_pruned_len + 64:
+            fabric._prune_xfers()
+        if fabric.record_posted:
+            fabric._posted.append(x)
         return x
 
     def initialize_xfer(self, op: str, ldl: _Dlist, rdl: _Dlist, peer: str, notif: bytes = b"") -> _Xfer:
