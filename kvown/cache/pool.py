@@ -37,6 +37,8 @@ from kvown.core.errors import ConfigError, InvariantViolation, KvownError, Local
 
 
 class BlockState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: C-level hashing (enum's is Python)
+
     FREE = "FREE"  # in the free list: retired with proof, or never used
     OWNED = "OWNED"  # allocated to an owner that is receiving into it
     HELD = "HELD"  # the owner's writers are not yet proven quiescent

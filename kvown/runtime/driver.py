@@ -27,7 +27,7 @@ only on RetireBlocks, or AdmissionRefused of an unpublished session. INV-DR3 eve
 from __future__ import annotations
 
 import collections
-import contextlib
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, ContextManager, NoReturn
@@ -108,6 +108,7 @@ EV_CANCEL = event_code("cancel", "role")
 EV_RELEASE = event_code("release", "ready_token")
 EV_CONCLUDE = event_code("conclude", "outcome", "reason")
 EV_RETIRE = event_code("retire", "blocks")
+_OUTCOME_NAMES = {o: o.value for o in Outcome}  # a member's .value is a Python property: read once here
 _MAY_PUBLISH = (MessageReceived, OpenSend)  # the inputs that can attach a publication to a send session
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
 TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
@@ -150,7 +151,8 @@ class Driver:
         self.config = config
         self.recorder = recorder
         self.on_fail_stop = on_fail_stop
-        self.lock: ContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
+        # a real lock even alone (the simulator): acquiring it is C, a nullcontext is two Python calls
+        self.lock: ContextManager[Any] = lock if lock is not None else threading.Lock()
         self.codec = FrameCodec(key)
         core_config = config.core_config(rank, peers)
         self.sender = SenderCore(core_config, carry_results=config.carry_results) if Role.SENDER in roles else None
@@ -751,13 +753,14 @@ class Driver:
 
     def _conclude(self, core: RankCore[Any], action: Conclude) -> None:
         rid = action.request_id
-        self.recorder.note(EV_CONCLUDE, rid, action.outcome.value, action.reason)
+        outcome = _OUTCOME_NAMES[action.outcome]
+        self.recorder.note(EV_CONCLUDE, rid, outcome, action.reason)
         if core is self.sender:
-            self.stats[f"send_{action.outcome.value}"] += 1
+            self.stats[f"send_{outcome}"] += 1
             state = self._sends.get(rid)
             handle: SendHandle | ReceiveHandle | None = state.handle if state is not None else None
         else:
-            self.stats[f"recv_{action.outcome.value}"] += 1
+            self.stats[f"recv_{outcome}"] += 1
             handle = self._recvs.get(rid)
             if handle is not None and action.outcome is not Outcome.COMPLETED:
                 self.pool.hold(handle.blocks)  # OWNED -> HELD: awaiting proof that writers quiesced
