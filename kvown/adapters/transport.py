@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from kvown.adapters.nixl import MemKind, NixlEndpoint, XferHandle, XferStatus
 from kvown.cache.space import BlockSpace
@@ -46,6 +46,7 @@ from kvown.core.messages import (
     rank_field,
     short_repr,
 )
+from kvown.core.record import Record
 
 
 MAX_METADATA_NBYTES = 1 << 20  # NIXL metadata is ~0.5 KiB plus a few dozen bytes per registration
@@ -161,30 +162,30 @@ _WRITE_STATUS = {XferStatus.IN_PROGRESS: WriteStatus.IN_FLIGHT, XferStatus.DONE:
                  XferStatus.ERROR: WriteStatus.IN_DOUBT}
 
 
-@dataclass(frozen=True, slots=True)
-class Posted:
+class Posted(Record):
     """The WRITE is on the wire; poll ``handle`` until DONE (or ERROR: in doubt). ``settled``: the post
     itself already reported how it ended (UCX copied inside ``transfer()``), so a poll now answers
     without asking the library; otherwise the first poll waits for the next step."""
 
-    handle: XferHandle
-    nbytes: int
-    settled: bool = False
+    def __init__(self, handle: XferHandle, nbytes: int, settled: bool = False) -> None:
+        self.handle: Final = handle
+        self.nbytes: Final = nbytes
+        self.settled: Final = settled
 
 
-@dataclass(frozen=True, slots=True)
-class NotPosted:
+class NotPosted(Record):
     """Refused before anything was posted: nothing can touch memory."""
 
-    reason: str
+    def __init__(self, reason: str) -> None:
+        self.reason: Final = reason
 
 
-@dataclass(frozen=True, slots=True)
-class InDoubt:
+class InDoubt(Record):
     """Posting raised part-way: the backend may be writing. ``handle`` is rooted; poll it until DONE."""
 
-    handle: XferHandle
-    reason: str
+    def __init__(self, handle: XferHandle, reason: str) -> None:
+        self.handle: Final = handle
+        self.reason: Final = reason
 
 
 WriteOutcome = Posted | NotPosted | InDoubt

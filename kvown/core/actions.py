@@ -9,15 +9,17 @@ Rules:
      ``SessionQuiesced`` that follows it).
   3. The core never performs an action itself: no I/O, no clock, no callbacks. ``FailStop`` is an action
      too; the runtime's fail-stop executor carries it out.
+  4. Every action is a ``Record`` (``kvown.core.record``): immutable, equal by type and fields.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import Final
 
 # A real import, not a TYPE_CHECKING one: a compiled (mypyc) class checks its fields' types at run time.
 from kvown.core.messages import Message
+from kvown.core.record import Record
 
 
 class PieceKind(enum.Enum):
@@ -49,19 +51,18 @@ class FatalReason(enum.Enum):
     CONTROL_LOST = "control_lost"  # a control frame could not be sent within the resend budget
 
 
-class Action:
+class Action(Record):
     __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
 class SendControl(Action):
     """Send ``message`` to ``dst_rank`` on our ordered stream to it."""
 
-    dst_rank: int
-    message: Message
+    def __init__(self, dst_rank: int, message: Message) -> None:
+        self.dst_rank: Final = dst_rank
+        self.message: Final = message
 
 
-@dataclass(frozen=True, slots=True)
 class PostWrite(Action):
     """Post one RDMA WRITE: source blocks ``src_blocks`` into the receiver's ``dst_blocks``.
 
@@ -72,70 +73,73 @@ class PostWrite(Action):
     frame, delivered only after the data and flush completed; ``kvown.core.sender`` rule 6).
     """
 
-    op_id: int
-    request_id: int
-    receiver_rank: int
-    piece: int
-    kind: PieceKind
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    slice_index: int
-    num_slices: int
-    aux_slot: int  # -1 when kind is KV
-    result: Message | None = None
+    def __init__(self, op_id: int, request_id: int, receiver_rank: int, piece: int, kind: PieceKind,
+                 src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...], slice_index: int, num_slices: int,
+                 aux_slot: int, result: Message | None = None) -> None:
+        self.op_id: Final = op_id
+        self.request_id: Final = request_id
+        self.receiver_rank: Final = receiver_rank
+        self.piece: Final = piece
+        self.kind: Final = kind
+        self.src_blocks: Final = src_blocks
+        self.dst_blocks: Final = dst_blocks
+        self.slice_index: Final = slice_index
+        self.num_slices: Final = num_slices
+        self.aux_slot: Final = aux_slot  # -1 when kind is KV
+        self.result: Final = result
 
 
-@dataclass(frozen=True, slots=True)
 class Deliver(Action):
     """Receiver: the logical transfer completed; the consumer may read the destination blocks."""
 
-    request_id: int
+    def __init__(self, request_id: int) -> None:
+        self.request_id: Final = request_id
 
 
-@dataclass(frozen=True, slots=True)
 class Conclude(Action):
     """A session's logical outcome was committed (the API resolves futures on this)."""
 
-    request_id: int
-    outcome: Outcome
-    reason: str
+    def __init__(self, request_id: int, outcome: Outcome, reason: str) -> None:
+        self.request_id: Final = request_id
+        self.outcome: Final = outcome
+        self.reason: Final = reason
 
 
-@dataclass(frozen=True, slots=True)
 class RetireBlocks(Action):
     """Receiver: every published writer is proven quiescent; return the destination blocks to the pool."""
 
-    request_id: int
+    def __init__(self, request_id: int) -> None:
+        self.request_id: Final = request_id
 
 
-@dataclass(frozen=True, slots=True)
 class ReleaseSource(Action):
     """Sender: no writer reads these source blocks any more; the prefill server may reuse them."""
 
-    request_id: int
+    def __init__(self, request_id: int) -> None:
+        self.request_id: Final = request_id
 
 
-@dataclass(frozen=True, slots=True)
 class Disputed(Action):
     """Receiver: a peer's evidence cannot be honest (receiver rules 1 and 3). Admission is quarantined
     and, for an invalid result, the session will never retire. The driver records and counts it."""
 
-    request_id: int
-    reason: str
+    def __init__(self, request_id: int, reason: str) -> None:
+        self.request_id: Final = request_id
+        self.reason: Final = reason
 
 
-@dataclass(frozen=True, slots=True)
 class AdmissionRefused(Action):
     """A new session was refused (fatal latched, quarantined, stale epoch). Nothing was created."""
 
-    request_id: int
-    reason: str
+    def __init__(self, request_id: int, reason: str) -> None:
+        self.request_id: Final = request_id
+        self.reason: Final = reason
 
 
-@dataclass(frozen=True, slots=True)
 class FailStop(Action):
     """Kill the whole world. Sticky: once returned, the machine keeps every claim forever."""
 
-    reason: FatalReason
-    request_id: int | None
-    detail: str
+    def __init__(self, reason: FatalReason, request_id: int | None, detail: str) -> None:
+        self.reason: Final = reason
+        self.request_id: Final = request_id
+        self.detail: Final = detail

@@ -28,11 +28,11 @@ import enum
 import hashlib
 import hmac
 import operator
-from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Final
 
 from kvown.core.errors import PeerProtocolError
 from kvown.core.ids import is_valid_request_id
+from kvown.core.record import Record, record_fields
 
 PROTOCOL_VERSION = 1
 # "batched_frames": FRAME_BATCH bodies; "carried_results": a WRITE's notification carries its result.
@@ -151,8 +151,8 @@ _flags = int_field(0, 1)  # FLAG_CARRIED is the only flag
 # ---- messages -----------------------------------------------------------------------------------
 
 
-class Message:
-    """Base of every control message. Subclasses are frozen dataclasses with a field schema."""
+class Message(Record):
+    """Base of every control message. Subclasses are records (``kvown.core.record``) with a field schema."""
 
     __slots__ = ()
     KIND: ClassVar[ControlKind]
@@ -162,7 +162,7 @@ class Message:
     _CHECKS: ClassVar[tuple[tuple[str, Validator], ...]]
 
     def to_fields(self) -> list[Any]:
-        return [_plain(getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
+        return [_plain(getattr(self, name)) for name in record_fields(type(self))]
 
     def wire_fields(self) -> tuple[Any, ...]:
         """The field values in wire order, as msgpack packs them (tuples as arrays, IntEnums as ints).
@@ -186,8 +186,8 @@ def _one_field(get: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
 def _wire(cls: type[Message], kind: ControlKind, schema: Schema) -> None:
     """Give a message class its kind, its schema and its wire helpers, computed once: a C-level getter
     of the fields in wire order, and the (name, validator) pairs in the same order. Set after the class
-    body, not in it: a compiled (mypyc) dataclass would take a ``ClassVar`` in its body for a field."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    body: the class attributes of a compiled class are the ones its base declares (``Message``)."""
+    names = record_fields(cls)
     get = operator.attrgetter(*names)
     cls.KIND, cls.SCHEMA = kind, schema
     cls._GET = get if len(names) > 1 else _one_field(get)
@@ -195,14 +195,15 @@ def _wire(cls: type[Message], kind: ControlKind, schema: Schema) -> None:
     assert list(schema) == list(names), cls
 
 
-@dataclass(frozen=True, slots=True)
 class Hello(Message):
     """Handshake: who I am and what I speak. A mismatch is refused before any publication."""
 
-    rank: int
-    protocol_version: int
-    capabilities: tuple[str, ...]
-    geometry_digest: str
+    def __init__(self, rank: int, protocol_version: int, capabilities: tuple[str, ...],
+                 geometry_digest: str) -> None:
+        self.rank: Final = rank
+        self.protocol_version: Final = protocol_version
+        self.capabilities: Final = capabilities
+        self.geometry_digest: Final = geometry_digest
 
 
 _wire(Hello, ControlKind.HELLO, {
@@ -213,7 +214,6 @@ _wire(Hello, ControlKind.HELLO, {
 })
 
 
-@dataclass(frozen=True, slots=True)
 class RequestData(Message):
     """Publication: the receiver tells one writer where its destination blocks are.
 
@@ -222,12 +222,14 @@ class RequestData(Message):
     ``aux_slot`` is -1 when there is no auxiliary payload; only slice 0 writes it.
     """
 
-    request_id: int
-    receiver_rank: int
-    dst_blocks: tuple[int, ...]
-    slice_index: int
-    num_slices: int
-    aux_slot: int
+    def __init__(self, request_id: int, receiver_rank: int, dst_blocks: tuple[int, ...], slice_index: int,
+                 num_slices: int, aux_slot: int) -> None:
+        self.request_id: Final = request_id
+        self.receiver_rank: Final = receiver_rank
+        self.dst_blocks: Final = dst_blocks
+        self.slice_index: Final = slice_index
+        self.num_slices: Final = num_slices
+        self.aux_slot: Final = aux_slot
 
 
 _wire(RequestData, ControlKind.REQUEST_DATA, {
@@ -240,17 +242,18 @@ _wire(RequestData, ControlKind.REQUEST_DATA, {
 })
 
 
-@dataclass(frozen=True, slots=True)
 class KvResult(Message):
     """A writer's report on one KV piece. ``is_last``: the writer will admit no further piece for this
     (request, receiver) stream and has no piece in flight (only IN_DOUBT pieces may remain)."""
 
-    writer_rank: int
-    request_id: int
-    piece: int
-    is_last: bool
-    status: ResultStatus
-    nbytes: int
+    def __init__(self, writer_rank: int, request_id: int, piece: int, is_last: bool, status: ResultStatus,
+                 nbytes: int) -> None:
+        self.writer_rank: Final = writer_rank
+        self.request_id: Final = request_id
+        self.piece: Final = piece
+        self.is_last: Final = is_last
+        self.status: Final = status
+        self.nbytes: Final = nbytes
 
 
 _wire(KvResult, ControlKind.KV_RESULT, {
@@ -263,22 +266,22 @@ _wire(KvResult, ControlKind.KV_RESULT, {
 })
 
 
-@dataclass(frozen=True, slots=True)
 class AuxResult(Message):
     """Like ``KvResult`` for the auxiliary piece (first tokens and counts), written by slice 0 only."""
 
-    writer_rank: int
-    request_id: int
-    piece: int
-    is_last: bool
-    status: ResultStatus
-    nbytes: int
+    def __init__(self, writer_rank: int, request_id: int, piece: int, is_last: bool, status: ResultStatus,
+                 nbytes: int) -> None:
+        self.writer_rank: Final = writer_rank
+        self.request_id: Final = request_id
+        self.piece: Final = piece
+        self.is_last: Final = is_last
+        self.status: Final = status
+        self.nbytes: Final = nbytes
 
 
 _wire(AuxResult, ControlKind.AUX_RESULT, KvResult.SCHEMA)
 
 
-@dataclass(frozen=True, slots=True)
 class CancelSession(Message):
     """Receiver -> writer: stop; then answer with SESSION_QUIESCED on the same stream.
 
@@ -286,31 +289,32 @@ class CancelSession(Message):
     dropped its metadata, can still answer.
     """
 
-    request_id: int
-    receiver_rank: int
+    def __init__(self, request_id: int, receiver_rank: int) -> None:
+        self.request_id: Final = request_id
+        self.receiver_rank: Final = receiver_rank
 
 
 _wire(CancelSession, ControlKind.CANCEL_SESSION, {"request_id": _request_id, "receiver_rank": rank_field})
 
 
-@dataclass(frozen=True, slots=True)
 class SessionQuiesced(Message):
     """Writer -> receiver: for this request I have no admitted, submitting, submitted or in-doubt write
     to you, and never will again. Sent after every earlier result on the stream."""
 
-    writer_rank: int
-    request_id: int
+    def __init__(self, writer_rank: int, request_id: int) -> None:
+        self.writer_rank: Final = writer_rank
+        self.request_id: Final = request_id
 
 
 _wire(SessionQuiesced, ControlKind.SESSION_QUIESCED, {"writer_rank": rank_field, "request_id": _request_id})
 
 
-@dataclass(frozen=True, slots=True)
 class Watermark(Message):
     """A rank advertises the lowest admission epoch it may still admit. Never decreases."""
 
-    rank: int
-    epoch: int
+    def __init__(self, rank: int, epoch: int) -> None:
+        self.rank: Final = rank
+        self.epoch: Final = epoch
 
 
 _wire(Watermark, ControlKind.WATERMARK, {"rank": rank_field, "epoch": _epoch})
@@ -324,14 +328,14 @@ MESSAGE_TYPES: dict[ControlKind, type[Message]] = {
 _BY_KIND: dict[int, type[Message]] = {int(kind): cls for kind, cls in MESSAGE_TYPES.items()}
 
 
-@dataclass(frozen=True, slots=True)
-class Envelope:
+class Envelope(Record):
     """One authenticated, decoded frame: which stream, which position, which message."""
 
-    src_rank: int
-    dst_rank: int
-    seq: int
-    message: Message
+    def __init__(self, src_rank: int, dst_rank: int, seq: int, message: Message) -> None:
+        self.src_rank: Final = src_rank
+        self.dst_rank: Final = dst_rank
+        self.seq: Final = seq
+        self.message: Final = message
 
 
 def to_wire(envelope: Envelope) -> list[Any]:
@@ -376,19 +380,20 @@ def _build(cls: type[Message], values: Any) -> Message:
     return cls(*[check(name, value) for (name, check), value in zip(checks, values)])
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(Record):
     """One authenticated, decoded frame: a stream position (``seq``) and the messages it holds, in order.
 
     ``carried``: the frame came as a WRITE's notification (module rule 1); it holds one final SUCCESS
     result and is not a position on the ordered stream.
     """
 
-    src_rank: int
-    dst_rank: int
-    seq: int
-    messages: tuple[Message, ...]
-    carried: bool = False
+    def __init__(self, src_rank: int, dst_rank: int, seq: int, messages: tuple[Message, ...],
+                 carried: bool = False) -> None:
+        self.src_rank: Final = src_rank
+        self.dst_rank: Final = dst_rank
+        self.seq: Final = seq
+        self.messages: Final = messages
+        self.carried: Final = carried
 
     def envelopes(self) -> list[Envelope]:
         """The messages as envelopes for the cores (each names the frame's stream and position)."""

@@ -25,13 +25,13 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from kvown.core.errors import PeerProtocolError
 from kvown.core.events import MessageReceived
 from kvown.core.machine import RankCore
 from kvown.core.messages import AuxResult, CancelSession, Envelope, Frame, KvResult, RequestData, Watermark
+from kvown.core.record import Record
 from kvown.core.streams import InboundStreams
 
 
@@ -43,14 +43,15 @@ class Drop(enum.Enum):
     STALE = "stale_carried"  # a carried report for a request with no live receive session
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
+class Delivery(Record):
     """One message and the cores it goes to (none when ``drop`` says why)."""
 
-    event: MessageReceived
-    index: int  # the message's position in its frame (0 for a carried report)
-    cores: tuple[RankCore[Any], ...]
-    drop: Drop | None = None
+    def __init__(self, event: MessageReceived, index: int, cores: tuple[RankCore[Any], ...],
+                 drop: Drop | None = None) -> None:
+        self.event: Final = event
+        self.index: Final = index  # the message's position in its frame (0 for a carried report)
+        self.cores: Final = cores
+        self.drop: Final = drop
 
 
 class Router:

@@ -30,6 +30,7 @@ HOT_PATH = (
     "kvown.core.ids",
     "kvown.core.machine",
     "kvown.core.messages",
+    "kvown.core.record",
     "kvown.core.receiver",
     "kvown.core.routing",
     "kvown.core.sender",

@@ -62,6 +62,7 @@ from kvown.core.messages import (
     Watermark,
     seal,
 )
+from kvown.core.record import record_fields
 from kvown.core.routing import Router
 from kvown.core.streams import InboundStreams
 
@@ -189,13 +190,13 @@ def check_fields(frame: Frame) -> None:
                 or m.status is not ResultStatus.SUCCESS or m.is_last is not True):
             raise FuzzFinding(f"decode accepted a carried frame that is not one final SUCCESS report: {frame!r:.120}")
     for message in frame.messages:
-        for f in fields(message):  # type: ignore[arg-type]
-            spec = FIELD_SPEC.get(f.name)
+        for name in record_fields(type(message)):
+            spec = FIELD_SPEC.get(name)
             if spec is None:
-                raise FuzzFinding(f"no field spec for {type(message).__name__}.{f.name}; add it to FIELD_SPEC")
-            value = getattr(message, f.name)
+                raise FuzzFinding(f"no field spec for {type(message).__name__}.{name}; add it to FIELD_SPEC")
+            value = getattr(message, name)
             if not spec(value):
-                raise FuzzFinding(f"decode accepted {type(message).__name__}.{f.name}={value!r:.60}")
+                raise FuzzFinding(f"decode accepted {type(message).__name__}.{name}={value!r:.60}")
 
 
 def check_round_trip(frame: Frame) -> None:

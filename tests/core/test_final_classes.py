@@ -3,8 +3,6 @@ A subclass is refused as an unknown input (a typed error, state unchanged), neve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from kvown.core.errors import LocalProtocolError
@@ -30,7 +28,6 @@ def test_no_event_or_message_class_is_subclassed(base: type) -> None:
 
 @pytest.mark.interpreted_only  # a Python class cannot subclass a compiled (native) one: there it cannot even exist
 def test_a_subclassed_event_is_an_unknown_input() -> None:
-    @dataclass(frozen=True, slots=True)
     class LateOpenSend(OpenSend):
         pass
 

@@ -7,7 +7,6 @@ follow trtllm.md section 15 (session ack, deadline, ownership regressions, fence
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
 import pytest
@@ -652,7 +651,7 @@ def _core_trusts_the_stream_layer_for_dst_rank(mp: pytest.MonkeyPatch) -> None: 
 
     def readdressed(self, event, now_ns, actions):
         if isinstance(event, MessageReceived):
-            event = MessageReceived(dataclasses.replace(event.envelope, dst_rank=self.config.rank))
+            event = MessageReceived(event.envelope.replace(dst_rank=self.config.rank))
         apply(self, event, now_ns, actions)
 
     mp.setattr(RankCore, "_apply", readdressed)

@@ -6,7 +6,6 @@ DONE in the step that posted it."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -37,7 +36,7 @@ class Counting:
         if self._settle and isinstance(outcome, Posted):  # as if UCX copied inside transfer()
             for _ in range(20):
                 if self._inner.poll(outcome.handle) is WriteStatus.DONE:
-                    return dataclasses.replace(outcome, settled=True)
+                    return outcome.replace(settled=True)
         return outcome
 
     def poll(self, handle):

@@ -42,9 +42,7 @@ def ack_from_unpublished_writer(mp: pytest.MonkeyPatch) -> None:
     def trusting(self, event, now_ns, actions):
         m = getattr(getattr(event, "envelope", None), "message", None)
         if isinstance(m, SessionQuiesced) and m.writer_rank != event.envelope.src_rank:
-            from dataclasses import replace
-
-            event = type(event)(replace(event.envelope, src_rank=m.writer_rank))
+            event = type(event)(event.envelope.replace(src_rank=m.writer_rank))
         return original(self, event, now_ns, actions)
 
     mp.setattr(ReceiverCore, "_dispatch", trusting)
