@@ -1,4 +1,4 @@
-"""Records: the immutable values the hot path builds per session (events, actions, envelopes, frames).
+"""Records: the immutable values the hot path builds per session (events, actions, messages, frames).
 
 Owns: ``Record``, their base: equality, hashing and ``repr`` over the fields.
 
