@@ -27,16 +27,15 @@ def record_fields(cls: type) -> tuple[str, ...]:
     """The fields of record class ``cls``: its ``__init__`` parameters, in order."""
     names = _FIELDS.get(cls)
     if names is None:
-        try:
-            names = tuple(inspect.signature(cls).parameters)
-        except ValueError:  # a compiled record without an __init__ of its own (``Tick``): no fields
-            names = ()
-        _FIELDS[cls] = names
+        names = _FIELDS[cls] = tuple(inspect.signature(cls).parameters)
     return names
 
 
 class Record:
     __slots__ = ()
+
+    def __init__(self) -> None:
+        """No fields (``Tick``). Declared so that every record, compiled too, has a signature to read."""
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
