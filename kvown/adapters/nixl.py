@@ -1,13 +1,12 @@
 """NIXL data-plane adapter: one NIXL agent per rank, translated into kvown's vocabulary.
 
 Owns: the rank's NIXL agent, registrations, loaded peers, prepped lists and posted handles until released;
-no ``nixl`` object or quirk leaves this module (why each rule holds: docs/design.md section 14).
+no ``nixl`` object or quirk leaves this module (why: docs/design.md section 14).
 
 Rules:
   1. One thread per endpoint (``NIXL_THREAD_SYNC_NONE``, no progress thread by default): nothing moves
      unless it is polled, so a rank that receives WRITEs must keep calling ``drain_notifs``.
-  2. A library result is one kvown value: ``poll`` one ``XferStatus``; a failed call ``AdapterError``
-     (``op``: the library call, ``cause``: its exception).
+  2. A library result is one kvown value: ``poll`` an ``XferStatus``, a failure ``AdapterError(op, cause)``.
   3. A failed post says ``AdapterError(posted=False)`` (nothing can touch memory) before ``transfer()``,
      ``posted=None, handle=...`` (in doubt; the handle stays rooted) inside it.
   4. DONE is the only proof of quiescence, and terminal; ERROR is not: ``poll`` keeps asking after it.
@@ -16,6 +15,7 @@ Rules:
      posts let NIXL merge index runs, and short index lists (<= 64) skip numpy.
   7. NIXL sends a WRITE's notification (``notif``) only after its data and endpoint flush completed,
      never after an error: its arrival proves the bytes landed and the WRITE touches them no more.
+  8. The library is the seam: an endpoint drives the agent it is given (a fake), else NIXL's; no subclass.
 
 Invariants:
   INV-NX-1  Every posted, unreleased handle is rooted in ``_live``: NIXL's finalizer (a cancel) never runs.
@@ -302,6 +302,20 @@ def _status_of(text: Any) -> XferStatus | None:
     return None
 
 
+def _make_agent(name: str, progress_thread: bool) -> Any:
+    """NIXL's agent for ``name`` with the UCX backend; ``AdapterError(op="create_agent")`` otherwise."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        cfg = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        agent = nixl_agent(name, cfg)
+    except Exception as e:
+        raise AdapterError("could not create the NIXL agent", cause=e, op="create_agent", name=name) from e
+    if "UCX" not in getattr(agent, "backends", {"UCX": 0}):
+        raise AdapterError("NIXL has no UCX backend", op="create_agent", name=name)
+    return agent
+
+
 # ----------------------------------------------------------------------------- endpoint
 
 
@@ -309,8 +323,10 @@ class NixlEndpoint:
     """One NIXL agent for one rank. See the module docstring for the rules."""
 
     def __init__(self, name: str, *, progress_thread: bool = False, clock: Callable[[], int] | None = None,
-                 cpu_clock: Callable[[], int] | None = None) -> None:
-        """Create the agent with the UCX backend.
+                 cpu_clock: Callable[[], int] | None = None, agent: Any = None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        """Create the agent with the UCX backend, or drive ``agent`` (an object with the ``nixl_agent``
+        calls this module makes: the fake library's seam, rule 8). ``on_close`` runs once ``close`` is done.
 
         Called: once per rank at startup, on the thread that will own the endpoint.
         After error: ``AdapterError(op="create_agent")``; nothing to clean up.
@@ -318,7 +334,8 @@ class NixlEndpoint:
         if not name:
             raise LocalProtocolError("endpoint name must be non-empty", field="name")
         self._name = name
-        self._agent = self._make_agent(name, progress_thread)
+        self._agent = agent if agent is not None else _make_agent(name, progress_thread)
+        self._on_close = on_close
         self._regions: dict[Region, Any] = {}
         self._breaks: set[int] = set()
         self._peers: set[str] = set()
@@ -329,19 +346,6 @@ class NixlEndpoint:
         self._last_notif_ns: int | None = None  # when send_notif last returned (None: no flush at close)
         self._clock = clock or _monotonic_ns  # the flush's wall clock (a fake fabric passes its own)
         self._cpu_clock = cpu_clock or time.thread_time_ns  # the flush's CPU clock (the owner thread's)
-
-    def _make_agent(self, name: str, progress_thread: bool) -> Any:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-
-            cfg = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
-            agent = nixl_agent(name, cfg)
-        except Exception as e:
-            raise AdapterError("could not create the NIXL agent", cause=e, op="create_agent",
-                               name=name) from e
-        if "UCX" not in getattr(agent, "backends", {"UCX": 0}):
-            raise AdapterError("NIXL has no UCX backend", op="create_agent", name=name)
-        return agent
 
     # ------------------------------------------------------------------ identity and registration
 
@@ -358,8 +362,9 @@ class NixlEndpoint:
     def peers(self) -> frozenset[str]:
         return frozenset(self._peers)
 
-    def register(self, addr: int, nbytes: int, mem: MemKind, device_id: int = 0) -> Region:
-        """Register ``[addr, addr + nbytes)`` with NIXL.
+    def register(self, addr: int, nbytes: int, mem: MemKind | object, device_id: int = 0) -> Region:
+        """Register ``[addr, addr + nbytes)`` with NIXL. ``mem`` is checked here (``LocalProtocolError``,
+        field ``mem``), not by the compiled build's argument check (a bare ``TypeError``).
 
         Called: at startup (KV pools, staging buffers), owner thread.
         Ownership: the caller keeps owning the memory and must keep it alive until ``close``.
@@ -805,6 +810,8 @@ class NixlEndpoint:
         self._breaks.clear()
         self._closed = True
         self._agent = None
+        if self._on_close is not None:
+            self._on_close()
         if first is not None:
             raise AdapterError("close finished with library errors", cause=first, op="close")
 

@@ -1,7 +1,7 @@
 """In-process fake of the NIXL library, behind the real adapter, with fault injection.
 
 Owns: ``FakeFabric`` (the shared "network" that connects fake agents by name, holds injected faults
-and late "ghost" writes) and ``FakeNixlEndpoint`` (a ``NixlEndpoint`` whose library is a fake agent).
+and late "ghost" writes) and ``FakeNixlEndpoint`` (makes a ``NixlEndpoint`` whose library is a fake agent).
 It replaces the *library*, not the adapter (contract tests run against both): docs/design.md section 13.
 
 Rules:
@@ -484,28 +484,19 @@ class _FakeAgent:
         return out
 
 
-class FakeNixlEndpoint(NixlEndpoint):
-    """``NixlEndpoint`` over a ``FakeFabric``; same public API plus the ``fabric`` it lives on.
+def FakeNixlEndpoint(name: str, *, fabric: FakeFabric,
+                     agent_type: type[_FakeAgent] | None = None) -> NixlEndpoint:
+    """A ``NixlEndpoint`` whose library is a fake agent (``agent_type``, default ``_FakeAgent``) on
+    ``fabric``; closing it takes the agent off the fabric. A factory, not a subclass: the compiled
+    endpoint takes no interpreted subclasses, so the fake enters at the adapter's seam, its agent.
 
     Called: in tests and the simulator, one thread per fabric.
     """
-
-    def __init__(self, name: str, *, fabric: FakeFabric, progress_thread: bool = False) -> None:
-        self.fabric = fabric
-        super().__init__(name, progress_thread=progress_thread, clock=fabric.clock_ns, cpu_clock=fabric.cpu_clock_ns)
-
-    def _make_agent(self, name: str, progress_thread: bool) -> Any:
-        if name in self.fabric._agents:
-            raise AdapterError("agent name already on this fake fabric", op="create_agent", name=name)
-        agent = _FakeAgent(name, self.fabric)
-        self.fabric._agents[name] = agent
-        return agent
-
-    def close(self) -> None:
-        was_open = not self._closed
-        super().close()
-        if was_open:
-            self.fabric._agents.pop(self.name, None)
+    if name in fabric._agents:
+        raise AdapterError("agent name already on this fake fabric", op="create_agent", name=name)
+    agent = fabric._agents[name] = (agent_type or _FakeAgent)(name, fabric)
+    return NixlEndpoint(name, clock=fabric.clock_ns, cpu_clock=fabric.cpu_clock_ns, agent=agent,
+                        on_close=lambda: fabric._agents.pop(name, None))
 
 
 __all__ = ["FakeFabric", "FakeNixlEndpoint", "FakeOutcome", "FaultPoint", "NotifFault", "WriteFault"]

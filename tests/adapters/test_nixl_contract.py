@@ -578,6 +578,19 @@ def test_fake_writes_to_a_closed_peer_fail(fake: Pair) -> None:
     assert not fake.dst.any()
 
 
+def test_fake_endpoint_holds_its_name_until_closed() -> None:
+    fabric = FakeFabric()
+    first = FakeNixlEndpoint("same-name", fabric=fabric)
+    with pytest.raises(AdapterError) as err:
+        FakeNixlEndpoint("same-name", fabric=fabric)
+    assert err.value.fields["op"] == "create_agent"
+    first.close()
+    first.close()  # idempotent
+    second = FakeNixlEndpoint("same-name", fabric=fabric)  # the close freed the name
+    assert second.name == "same-name" and second.live_handles == 0
+    second.close()
+
+
 # --------------------------------------------------------------------------- real NIXL across processes
 
 

@@ -22,7 +22,7 @@ from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint, NotifFault
 _ids = itertools.count()
 
 
-def _fake_pair() -> tuple[FakeFabric, FakeNixlEndpoint, FakeNixlEndpoint]:
+def _fake_pair() -> tuple[FakeFabric, NixlEndpoint, NixlEndpoint]:
     fabric = FakeFabric()
     a = FakeNixlEndpoint(f"flush-a{next(_ids)}", fabric=fabric)
     b = FakeNixlEndpoint(f"flush-b{next(_ids)}", fabric=fabric)
@@ -53,6 +53,7 @@ def test_close_flushes_notifications_still_in_flight() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.interpreted_only("patches NixlEndpoint.flush_notifs, a native method in the compiled build")
 def test_mutant_close_without_the_flush_loses_the_frames(monkeypatch) -> None:
     """The bug: peers dropped while UCX still held accepted notifications; each was canceled."""
     monkeypatch.setattr(NixlEndpoint, "flush_notifs", lambda self, flush_s=CLOSE_FLUSH_S: 0)
@@ -111,6 +112,7 @@ def _wall_clock_flush(self: NixlEndpoint, flush_s: float = CLOSE_FLUSH_S, max_s:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.interpreted_only("patches NixlEndpoint.flush_notifs, a native method in the compiled build")
 def test_mutant_a_wall_clock_flush_loses_frames_when_starved(monkeypatch) -> None:
     """The bug CI saw (docs/design.md 16.2): a starved close ran out of wall time, UCX still held frames."""
     monkeypatch.setattr(NixlEndpoint, "flush_notifs", _wall_clock_flush)

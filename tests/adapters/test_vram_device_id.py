@@ -52,13 +52,6 @@ class _MultiGpuAgent(_FakeAgent):
         return super().register_memory([(addr, nbytes, device_id, "")], "DRAM")  # bytes are host bytes here
 
 
-class _Endpoint(FakeNixlEndpoint):
-    def _make_agent(self, name: str, progress_thread: bool) -> Any:
-        agent = _MultiGpuAgent(name, self.fabric)
-        self.fabric._agents[name] = agent
-        return agent
-
-
 def gpu_pool(scale_layout: str) -> KVPool:
     """A pool asked for as "cuda" whose memory is on cuda:GPU (its scale pool too)."""
     layout = KVLayout.nvfp4(num_layers=2, num_blocks=4, tokens_per_block=16, num_kv_heads=2, head_dim=32,
@@ -72,7 +65,7 @@ def gpu_pool(scale_layout: str) -> KVPool:
 
 
 def transport(space: Any) -> KVTransport:
-    return KVTransport(_Endpoint("r0", fabric=FakeFabric()), 0, space, torch.zeros(64, dtype=torch.uint8),
+    return KVTransport(FakeNixlEndpoint("r0", fabric=FakeFabric(), agent_type=_MultiGpuAgent), 0, space, torch.zeros(64, dtype=torch.uint8),
                        aux_slot_nbytes=16, roles=frozenset({Role.RECEIVER}), geometry_digest="g")
 
 
