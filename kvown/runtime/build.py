@@ -21,6 +21,7 @@ from typing import Any
 # class cannot subclass a native one.
 HOT_PATH = (
     "kvown.adapters.codec",
+    "kvown.adapters.nixl",
     "kvown.adapters.transport",
     "kvown.cache.pool",
     "kvown.core.actions",
