@@ -27,7 +27,7 @@ piece kind, piece) result is counted at most once. INV-R4 after FailStop nothing
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvown.core.actions import (
@@ -137,19 +137,22 @@ PEER_INPUTS = frozenset({RxInput.RESULT, RxInput.QUIESCED})
 TOUCHING = frozenset({ResultStatus.SUCCESS, ResultStatus.IN_DOUBT})  # results that say bytes may have moved
 
 
-@dataclass(slots=True)
 class _Writer:
     """What one published writer has told us."""
 
-    rank: int
-    slice_index: int
-    results: dict[tuple[str, int], ResultStatus] = field(default_factory=dict)
-    in_doubt: set[tuple[str, int]] = field(default_factory=set)
-    stream_ended: bool = False  # a result with is_last arrived
-    acked: bool = False  # SESSION_QUIESCED arrived
-    touched: bool = False  # some piece SUCCESS or IN_DOUBT: this writer claimed its slice (rule 1a)
-    failed: bool = False  # some piece FAILED or went IN_DOUBT
-    cancel_sent: bool = False
+    __slots__ = ("rank", "slice_index", "results", "in_doubt", "stream_ended", "acked", "touched", "failed",
+                 "cancel_sent")
+
+    def __init__(self, rank: int, slice_index: int) -> None:
+        self.rank = rank
+        self.slice_index = slice_index
+        self.results: dict[tuple[str, int], ResultStatus] = {}
+        self.in_doubt: set[tuple[str, int]] = set()
+        self.stream_ended = False  # a result with is_last arrived
+        self.acked = False  # SESSION_QUIESCED arrived
+        self.touched = False  # some piece SUCCESS or IN_DOUBT: this writer claimed its slice (rule 1a)
+        self.failed = False  # some piece FAILED or went IN_DOUBT
+        self.cancel_sent = False
 
     @property
     def settled(self) -> bool:
@@ -161,21 +164,25 @@ class _Writer:
         return not (self.failed or self.stream_ended or self.acked)
 
 
-@dataclass(slots=True)
 class ReceiveSession:
-    request_id: int
-    dst_blocks: tuple[int, ...]
-    num_slices: int
-    aux_slot: int
-    writers: dict[int, _Writer]  # the published set
-    clock: RetirementClock
-    state: RxState = RxState.ACTIVE
-    outcome: Outcome | None = None
-    reason: str = ""
-    cohort: dict[int, int] = field(default_factory=dict)  # slice index -> the writer that claimed it
-    local_pending: dict[int, int] = field(default_factory=dict)  # token -> when it was queued (its clock)
-    released: bool = False
-    disputed: str = ""  # why the evidence is invalid; non-empty means it can never retire
+    __slots__ = ("request_id", "dst_blocks", "num_slices", "aux_slot", "writers", "clock", "state", "outcome",
+                 "reason", "cohort", "local_pending", "released", "disputed")
+
+    def __init__(self, request_id: int, dst_blocks: tuple[int, ...], num_slices: int, aux_slot: int,
+                 writers: dict[int, _Writer], clock: RetirementClock) -> None:
+        self.request_id = request_id
+        self.dst_blocks = dst_blocks
+        self.num_slices = num_slices
+        self.aux_slot = aux_slot
+        self.writers = writers  # the published set
+        self.clock = clock
+        self.state = RxState.ACTIVE
+        self.outcome: Outcome | None = None
+        self.reason = ""
+        self.cohort: dict[int, int] = {}  # slice index -> the writer that claimed it
+        self.local_pending: dict[int, int] = {}  # token -> when it was queued (its clock)
+        self.released = False
+        self.disputed = ""  # why the evidence is invalid; non-empty means it can never retire
 
     def writer_claims(self) -> bool:
         return bool(self.disputed) or any(not w.settled for w in self.writers.values())

@@ -27,7 +27,6 @@ result, ends its stream. INV-S3 an IN_DOUBT op leaves IN_DOUBT only through Writ
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 
 from kvown.core.actions import (
     Action,
@@ -153,17 +152,21 @@ IN_FLIGHT = frozenset({OpState.SUBMITTING, OpState.SUBMITTED, OpState.IN_DOUBT})
 REPORTABLE = frozenset({OpState.BACKEND_DONE, OpState.NOT_SUBMITTED, OpState.IN_DOUBT})
 
 
-@dataclass(slots=True)
 class Operation:
-    op_id: int
-    request_id: int
-    receiver_rank: int
-    piece: int  # KV piece index, or the number of KV pieces for the AUX piece
-    kind: PieceKind
-    state: OpState = OpState.ADMITTED
-    was_in_doubt: bool = False
-    reported_in_doubt: bool = False
-    carried: bool = False  # rule 6: its PostWrite carried the stream's report to NIXL
+    __slots__ = ("op_id", "request_id", "receiver_rank", "piece", "kind", "state", "was_in_doubt",
+                 "reported_in_doubt", "carried")
+
+    def __init__(self, op_id: int, request_id: int, receiver_rank: int, piece: int, kind: PieceKind,
+                 state: OpState = OpState.ADMITTED) -> None:
+        self.op_id = op_id
+        self.request_id = request_id
+        self.receiver_rank = receiver_rank
+        self.piece = piece  # KV piece index, or the number of KV pieces for the AUX piece
+        self.kind = kind
+        self.state = state
+        self.was_in_doubt = False
+        self.reported_in_doubt = False
+        self.carried = False  # rule 6: its PostWrite carried the stream's report to NIXL
 
     @property
     def delivered_by_write(self) -> bool:
@@ -180,15 +183,17 @@ class Operation:
         self.was_in_doubt |= nxt is OpState.IN_DOUBT
 
 
-@dataclass(slots=True)
 class _Stream:
     """One (request, receiver) stream: its publication and its operations in report order."""
 
-    request: RequestData
-    ops: list[Operation]
-    next_report: int = 0  # index of the next op whose result is due
-    quiesce_requested: bool = False
-    acked: bool = False
+    __slots__ = ("request", "ops", "next_report", "quiesce_requested", "acked")
+
+    def __init__(self, request: RequestData, ops: list[Operation]) -> None:
+        self.request = request
+        self.ops = ops
+        self.next_report = 0  # index of the next op whose result is due
+        self.quiesce_requested = False
+        self.acked = False
 
     @property
     def reported_all(self) -> bool:
@@ -198,18 +203,22 @@ class _Stream:
         return self.reported_all and not any(op.state in LIVE for op in self.ops)
 
 
-@dataclass(slots=True)
 class SendSession:
-    request_id: int
-    src_blocks: tuple[int, ...]
-    num_pieces: int
-    num_receivers: int
-    clock: RetirementClock
-    ready: set[int] = field(default_factory=set)
-    streams: dict[int, _Stream] = field(default_factory=dict)
-    outcome: Outcome | None = None
-    reason: str = ""
-    dst_suffix: bool = False  # rule 4a
+    __slots__ = ("request_id", "src_blocks", "num_pieces", "num_receivers", "clock", "ready", "streams",
+                 "outcome", "reason", "dst_suffix")
+
+    def __init__(self, request_id: int, src_blocks: tuple[int, ...], num_pieces: int, num_receivers: int,
+                 clock: RetirementClock, dst_suffix: bool = False) -> None:
+        self.request_id = request_id
+        self.src_blocks = src_blocks
+        self.num_pieces = num_pieces
+        self.num_receivers = num_receivers
+        self.clock = clock
+        self.ready: set[int] = set()
+        self.streams: dict[int, _Stream] = {}
+        self.outcome: Outcome | None = None
+        self.reason = ""
+        self.dst_suffix = dst_suffix  # rule 4a
 
     @property
     def state(self) -> SxState:
