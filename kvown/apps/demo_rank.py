@@ -103,7 +103,8 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float, tick=None) 
     mine = [p for p in plan if rt.rank in p.writers]
     free = list(range(args.pool_blocks))
     open_: dict[int, tuple[Planned, object, tuple[int, ...], float]] = {}
-    pending, released, cancels = list(reversed(mine)), 0, 0
+    pending, released = list(reversed(mine)), 0
+    cancelled: set[int] = set()  # mid-flight cancels asked (once per request)
     while (pending or open_) and time.monotonic() < deadline:
         if tick is not None:
             tick()
@@ -126,16 +127,15 @@ def run_sender(rt, comm, plan: list[Planned], args, deadline: float, tick=None) 
                 comm.send(p.request_id, dest=p.receiver, tag=GO_TAG)  # small: sent eagerly, never blocks long
         now = time.monotonic()
         for rid, (p, handle, blocks, opened) in list(open_.items()):
-            if p.cancel == "tx_mid" and now - opened >= p.cancel_delay_s and not getattr(handle, "_kv_cancelled", False):
-                handle._kv_cancelled = True
+            if p.cancel == "tx_mid" and now - opened >= p.cancel_delay_s and rid not in cancelled:
+                cancelled.add(rid)
                 sender.cancel(rid)
-                cancels += 1
             if handle.released.is_set():
                 free.extend(blocks)
                 released += 1
                 del open_[rid]
         time.sleep(0.0002)
-    return {"role": "sender", "released": released, "unreleased": len(open_) + len(pending), "cancels": cancels}
+    return {"role": "sender", "released": released, "unreleased": len(open_) + len(pending), "cancels": len(cancelled)}
 
 
 def run_receiver(rt, comm, plan: list[Planned], args, deadline: float, progress_path: str | None, tick=None) -> dict:

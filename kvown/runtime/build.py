@@ -38,6 +38,7 @@ HOT_PATH = (
     "kvown.core.streams",
     "kvown.runtime.driver",
     "kvown.runtime.flight",
+    "kvown.runtime.handles",
     "kvown.runtime.resend",
 )
 

@@ -1,278 +1,38 @@
-"""Commands: what the embedding API asks of a rank's driver, and the handles it answers through.
+"""Commands: what the embedding API asks of a rank's driver, and what it answers with.
 
-Owns: the typed commands (frozen dataclasses, matched by the driver), the API handles (``SendHandle``,
-``ReceiveHandle``) and the ``Ticket`` that lets a ``receive`` caller withdraw a command in time.
+Owns: the typed commands (frozen dataclasses, matched by the driver), the close and status answers, and
+``LiveRequests``. The handles, their phases and the ``Ticket`` live in ``kvown.runtime.handles`` (compiled
+with the hot path) and are re-exported here.
 
 Rules:
   1. API threads build commands and hand them to ``Driver.submit``; only the engine thread (the
      driver) reads them. A command is validated by the API before it is built (``kvown.api``); the
      driver still refuses what it cannot do, without allocating anything.
-  2. A handle is written by the driver only (``closing`` excepted: the API notes that the caller asked
-     to release or cancel); API threads read it (``threading.Event``, ``Future``).
-  3. A ``Receive`` is taken by the driver or withdrawn by its caller, never both: whoever acquires
-     the ticket first wins. So a caller that gave up waiting never leaves blocks allocated and
+  2. A ``Receive`` is taken by the driver or withdrawn by its caller, never both: whoever acquires
+     the ticket first wins (INV-CMD1). So a caller that gave up waiting never leaves blocks allocated and
      published with no handle.
-  4. Every ``*_ns`` on a handle is the engine clock at the event itself (the driver stamps it when the
-     event happens, not the step's start), or the caller's own call for ``cancelled_ns`` /
-     ``released_ns`` of a receive: so a latency between two of them is never negative.
-  5. ``LiveRequests`` remembers how the last ``remember`` finished sessions per rank and role ended, as
+  3. ``LiveRequests`` remembers how the last ``remember`` finished sessions per rank and role ended, as
      plain ints (no object per session for the GC), so a late release or cancel is a no-op reporting it.
-
-Invariants:
-  INV-CMD1  ``Ticket.take`` and ``Ticket.withdraw`` together return True at most once.
-  INV-CMD2  A ``LazyEvent`` / ``LazyFuture`` waiter sees a set made before or during its wait (docs/design.md 14).
-  INV-CMD3  A ``LazyFuture`` runs each done-callback exactly once, after it is done (docs/design.md 17.1).
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import enum
-import logging
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvown.adapters.transport import Role
 from kvown.core.actions import Outcome
 from kvown.core.errors import KvownError
-
-
-class LazyEvent:
-    """``threading.Event``'s ``set`` / ``is_set`` / ``wait`` for API handles, without its cost.
-
-    A handle has three of these and the engine sets each once per session; a ``threading.Event`` costs a
-    ``Condition`` and a lock to create and a notify to set (~3 us on the reference VM, x3 per handle,
-    x2 sides). Here the engine only writes a flag; the ``threading.Event`` behind a wait is created by
-    the first waiter (INV-CMD2 gives the ordering), so a handle nobody waits on costs no lock at all.
-    """
-
-    __slots__ = ("_flag", "_event")
-    _create = threading.Lock()  # waiters creating the event (rare; never taken by ``set``)
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._event: threading.Event | None = None
-
-    def set(self) -> None:
-        self._flag = True
-        event = self._event  # read after the flag is written (INV-CMD2)
-        if event is not None:
-            event.set()
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self._flag:
-            return True
-        event = self._event
-        if event is None:
-            with LazyEvent._create:
-                if self._event is None:
-                    self._event = threading.Event()
-                event = self._event
-        if self._flag:  # set() may have run before our event was visible to it (INV-CMD2)
-            return True  # type: ignore[unreachable]
-        return event.wait(timeout)
-
-    def __repr__(self) -> str:
-        return f"LazyEvent(set={self._flag})"
-
-
-_log = logging.getLogger(__name__)
-_FIRED: tuple[Any, ...] = ()  # LazyFuture._callbacks once they ran (or were claimed to run)
-
-
-class LazyFuture(Future[Any]):
-    """A ``concurrent.futures.Future`` that builds no ``Condition`` until somebody waits.
-
-    Set once by the engine, read by API threads. A ``Future`` creates a ``Condition`` (and its ``RLock``)
-    at birth and takes it on every ``done`` / ``result`` / ``exception`` and notifies on ``set_*``; a
-    handle's outcome and a receive's ticket are two per session per side, and nearly nobody waits on them.
-    Here the value is a plain attribute written before a ``LazyEvent`` is set (so waiters get its
-    INV-CMD2, and a reader that sees it set sees the value), and callbacks are claimed under one shared
-    lock so each runs exactly once (INV-CMD3). It is a ``Future`` subclass so
-    ``asyncio.wrap_future`` and ``isinstance`` checks keep working. It behaves as a ``Future`` marked
-    running at birth: ``cancel`` is refused (a caller can never make the engine's ``set_*`` raise).
-    """
-
-    _claim = threading.Lock()  # callbacks being added or claimed (rare; never taken without callbacks)
-
-    def __init__(self) -> None:  # no super().__init__(): that is the Condition this class avoids
-        self._set = LazyEvent()
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Future[Any]], object]] | tuple[Any, ...] | None = None
-
-    # -- the engine's side
-    def set_result(self, result: Any) -> None:
-        self._settle(result, None)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self._settle(None, exception)
-
-    def _settle(self, value: Any, error: BaseException | None) -> None:
-        if self._set.is_set():
-            raise concurrent.futures.InvalidStateError(f"{self!r} is already done")
-        self._value, self._error = value, error
-        self._set.set()  # after the value: a reader that sees it set sees the value
-        if self._callbacks is not None:  # read after the set (INV-CMD3)
-            self._fire()
-
-    def _fire(self) -> None:
-        with LazyFuture._claim:
-            callbacks, self._callbacks = self._callbacks, _FIRED
-        for fn in callbacks or ():
-            self._run(fn)
-
-    def _run(self, fn: Callable[[Future[Any]], object]) -> None:
-        try:
-            fn(self)
-        except Exception:  # noqa: BLE001 - as Future does: a caller's callback never breaks the engine
-            _log.exception("a done-callback of %r raised", self)
-
-    # -- the readers' side
-    def done(self) -> bool:
-        return self._set.is_set()
-
-    def cancel(self) -> bool:
-        return False
-
-    def cancelled(self) -> bool:
-        return False
-
-    def running(self) -> bool:
-        return not self._set.is_set()
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True
-
-    def _wait(self, timeout: float | None) -> None:
-        if not self._set.wait(timeout):
-            raise TimeoutError(f"{self!r} not done within {timeout} s")
-
-    def result(self, timeout: float | None = None) -> Any:
-        self._wait(timeout)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._wait(timeout)
-        return self._error
-
-    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
-        with LazyFuture._claim:
-            pending = not self._set.is_set() and self._callbacks is not _FIRED
-            if pending:
-                self._callbacks = [*(self._callbacks or ()), fn]
-        if not pending:
-            self._run(fn)
-        elif self._set.is_set():  # the engine may have settled before our list was visible to it (INV-CMD3)
-            self._fire()
-
-    def __repr__(self) -> str:
-        state = "pending" if not self._set.is_set() else "error" if self._error is not None else "finished"
-        return f"LazyFuture({state})"
+from kvown.runtime.handles import (LazyEvent, LazyFuture, ReceiveHandle, ReceivePhase, SendHandle, SendPhase,
+                                   Ticket, outcome_of)
 
 
 class AdmissionError(KvownError):
     """A session was refused (fail-stop latched, receiver quarantined, stale epoch). Nothing was created."""
-
-
-class SendPhase(enum.Enum):
-    """Where a send session is (``SendHandle.phase``); each phase implies the ones before it."""
-
-    OPEN = "open"  # waiting for a receiver to publish its destination
-    PUBLISHED = "published"  # a receiver published; no WRITE posted yet (waiting for the ready token)
-    POSTED = "posted"  # a WRITE was posted: the source blocks are being read
-    RELEASED = "released"  # no WRITE can read the source blocks any more (quiesced): reuse them
-    REFUSED = "refused"  # never opened (admission refused); nothing was posted
-
-
-class ReceivePhase(enum.Enum):
-    """Where a receive session is (``ReceiveHandle.phase``)."""
-
-    PUBLISHED = "published"  # the destination was published to every writer; waiting for evidence
-    LANDED = "landed"  # delivered: the KV may be read (until release)
-    CONCLUDED = "concluded"  # ended without delivery (cancelled, failed, timed out): held until proof
-    CLOSING = "closing"  # the caller released or cancelled it: retirement waits for proof
-    RETIRED = "retired"  # the blocks are back in the pool (or with the server), with proof
-    REFUSED = "refused"  # never opened (admission refused or pool exhausted); nothing was published
-
-
-def _outcome_of(future: Future[Outcome]) -> Outcome | None:
-    if not future.done() or future.exception() is not None:
-        return None
-    return future.result()
-
-
-@dataclass(eq=False)
-class SendHandle:
-    """Returned by ``Sender.send``. ``released`` is set when no WRITE can still read the source blocks."""
-
-    request_id: int
-    outcome: Future[Outcome] = field(default_factory=LazyFuture)
-    released: LazyEvent = field(default_factory=LazyEvent)
-    opened_ns: int = 0
-    published_ns: int = 0  # the first receiver's publication attached to this session
-    posted_ns: int = 0  # the first WRITE was posted
-    released_ns: int = 0
-    on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``released``
-
-    @property
-    def phase(self) -> SendPhase:
-        """Pure read (any thread): the furthest phase the driver has reported."""
-        if self.outcome.done() and self.outcome.exception() is not None:
-            return SendPhase.REFUSED
-        if self.released.is_set():
-            return SendPhase.RELEASED
-        if self.posted_ns:
-            return SendPhase.POSTED
-        return SendPhase.PUBLISHED if self.published_ns else SendPhase.OPEN
-
-    def result(self) -> Outcome | None:
-        """The committed outcome, or None while the session is undecided (or was refused)."""
-        return _outcome_of(self.outcome)
-
-
-@dataclass(eq=False)
-class ReceiveHandle:
-    """Returned by ``Receiver.receive``. ``landed``: the KV may be read; ``retired``: blocks are back."""
-
-    request_id: int
-    blocks: tuple[int, ...] = ()
-    aux_slot: int = -1
-    outcome: Future[Outcome] = field(default_factory=LazyFuture)
-    landed: LazyEvent = field(default_factory=LazyEvent)
-    retired: LazyEvent = field(default_factory=LazyEvent)
-    opened_ns: int = 0
-    landed_ns: int = 0
-    cancelled_ns: int = 0
-    released_ns: int = 0
-    retired_ns: int = 0
-    closing: bool = False  # written by the API only: release or cancel was asked (no local copy after)
-    on_done: Callable[[Any], None] | None = None  # called once on the engine thread after ``retired``
-
-    @property
-    def phase(self) -> ReceivePhase:
-        """Pure read (any thread): the furthest phase the driver (or the caller's close) reached."""
-        if self.outcome.done() and self.outcome.exception() is not None:
-            return ReceivePhase.REFUSED
-        if self.retired.is_set():
-            return ReceivePhase.RETIRED
-        if self.closing:
-            return ReceivePhase.CLOSING
-        if self.landed.is_set():
-            return ReceivePhase.LANDED
-        return ReceivePhase.CONCLUDED if self.outcome.done() else ReceivePhase.PUBLISHED
-
-    def result(self) -> Outcome | None:
-        """The committed outcome, or None while the session is undecided (or was refused)."""
-        return _outcome_of(self.outcome)
 
 
 class CloseStatus(enum.Enum):
@@ -291,20 +51,6 @@ class CloseResult:
     request_id: int
     status: CloseStatus
     outcome: Outcome | None = None
-
-
-class Ticket:
-    """Rule 3: a one-shot latch shared by a ``Receive`` command and its caller, plus the caller's future."""
-
-    def __init__(self) -> None:
-        self._latch = threading.Lock()
-        self.future: Future[Any] = LazyFuture()
-
-    def take(self) -> bool:
-        """The driver takes the command. False: the caller withdrew it. Called: engine thread."""
-        return self._latch.acquire(blocking=False)
-
-    withdraw = take  # the caller gives up; False: the driver already took it (wait for the handle)
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +166,7 @@ def _final(request_id: int, entry: Any) -> CloseResult:
         future = future.result().outcome
     if future.done() and future.exception() is not None:
         return CloseResult(request_id, CloseStatus.REFUSED)
-    return CloseResult(request_id, CloseStatus.ALREADY_RETIRED, _outcome_of(future))
+    return CloseResult(request_id, CloseStatus.ALREADY_RETIRED, outcome_of(future))
 
 
 def _alive_handle(handle: Any) -> bool:

@@ -85,14 +85,13 @@ from kvown.runtime.commands import (
     Command,
     LocalCopy,
     Receive,
-    ReceiveHandle,
     Release,
     Send,
-    SendHandle,
     SetWatermark,
 )
 from kvown.runtime.config import TransferConfig
 from kvown.runtime.flight import FlightRecorder, event_code
+from kvown.runtime.handles import ReceiveHandle, SendHandle
 from kvown.runtime.resend import ResendQueue
 from kvown.runtime.statistics import Audit, PoolCounts, ReceiverStatistics, RoleStatistics, Statistics, frozen
 from kvown.runtime.view import RankView, ViewCell, frozen_peers

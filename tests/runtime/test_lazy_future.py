@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvown.runtime import commands
+from kvown.runtime import handles
 from kvown.runtime.commands import LazyFuture, ReceiveHandle, SendHandle, Ticket
 
 
@@ -99,40 +99,45 @@ def test_racing_waiters_and_callbacks_are_never_missed() -> None:
         assert got == [i] and sorted(calls) == [1, 2]
 
 
-class _SettledMidAdd(LazyFuture):
-    """Forces the one bad interleaving: the engine settles after ``add_done_callback`` checked the flag
-    and before its list is visible (the engine then sees no callback to run)."""
+def _settled_mid_add() -> type[LazyFuture]:
+    """A LazyFuture that forces the one bad interleaving: the engine settles after ``add_done_callback``
+    checked the flag and before its list is visible (the engine then sees no callback to run). Built on
+    demand: in the compiled build LazyFuture is a native class, which no interpreted class may subclass."""
 
-    armed = True
+    class SettledMidAdd(LazyFuture):
+        armed = True
 
-    @property  # type: ignore[override]
-    def _callbacks(self) -> Any:
-        if self.armed and not self._set.is_set() and self.__dict__.get("_cb") is None:
-            self.armed = False
-            self.set_result("late")  # the engine's whole set_result runs here, between the two steps
-        return self.__dict__.get("_cb")
+        @property  # type: ignore[override]
+        def _callbacks(self) -> Any:
+            if self.armed and not self._set.is_set() and self.__dict__.get("_cb") is None:
+                self.armed = False
+                self.set_result("late")  # the engine's whole set_result runs here, between the two steps
+            return self.__dict__.get("_cb")
 
-    @_callbacks.setter
-    def _callbacks(self, value: Any) -> None:
-        self.__dict__["_cb"] = value
+        @_callbacks.setter
+        def _callbacks(self, value: Any) -> None:
+            self.__dict__["_cb"] = value
+
+    return SettledMidAdd
 
 
 def _add_without_recheck(future: LazyFuture, fn: Any) -> None:
     """The planted bug: ``add_done_callback`` without the second look after publishing its list."""
-    with LazyFuture._claim:
-        pending = not future._set.is_set() and future._callbacks is not commands._FIRED
+    with handles._CLAIM:
+        pending = not future._set.is_set() and future._callbacks is not handles._FIRED
         if pending:
             future._callbacks = [*(future._callbacks or ()), fn]
     if not pending:
         fn(future)
 
 
+@pytest.mark.interpreted_only("subclasses LazyFuture, a native class in the compiled build")
 def test_the_recheck_is_what_runs_a_callback_added_during_the_set() -> None:
-    future = _SettledMidAdd()
+    future = _settled_mid_add()()
     seen: list[Any] = []
     future.add_done_callback(lambda f: seen.append(f.result()))
     assert seen == ["late"]  # the second look saw it done and ran it
-    broken = _SettledMidAdd()
+    broken = _settled_mid_add()()
     lost: list[Any] = []
     _add_without_recheck(broken, lambda f: lost.append(f.result()))
     assert broken.done() and lost == []  # the mutant loses it: the test can fail
