@@ -4,8 +4,7 @@ Owns: the rank's NIXL agent, registrations, loaded peers, prepped lists and post
 no ``nixl`` object or quirk leaves this module (why: docs/design.md section 14).
 
 Rules:
-  1. One thread per endpoint (``NIXL_THREAD_SYNC_NONE``, no progress thread by default): nothing moves
-     unless it is polled, so a rank that receives WRITEs must keep calling ``drain_notifs``.
+  1. One thread per endpoint (no progress thread by default): nothing moves unless polled (``drain_notifs``).
   2. A library result is one kvown value: ``poll`` an ``XferStatus``, a failure ``AdapterError(op, cause)``.
   3. A failed post says ``AdapterError(posted=False)`` (nothing can touch memory) before ``transfer()``,
      ``posted=None, handle=...`` (in doubt; the handle stays rooted) inside it.
@@ -16,6 +15,7 @@ Rules:
   7. NIXL sends a WRITE's notification (``notif``) only after its data and endpoint flush completed,
      never after an error: its arrival proves the bytes landed and the WRITE touches them no more.
   8. The library is the seam: an endpoint drives the agent it is given (a fake), else NIXL's; no subclass.
+  9. A wrong value in a public parameter is ``LocalProtocolError`` naming it, in both builds (``_check_*``).
 
 Invariants:
   INV-NX-1  Every posted, unreleased handle is rooted in ``_live``: NIXL's finalizer (a cancel) never runs.
@@ -302,8 +302,11 @@ def _status_of(text: Any) -> XferStatus | None:
     return None
 
 
-def _make_agent(name: str, progress_thread: bool) -> Any:
-    """NIXL's agent for ``name`` with the UCX backend; ``AdapterError(op="create_agent")`` otherwise."""
+def make_agent(name: str, *, progress_thread: bool = False) -> Any:
+    """NIXL's agent for ``name`` with the UCX backend; ``AdapterError(op="create_agent")`` otherwise.
+
+    What an endpoint drives when it is given no agent; public so a caller can wrap the library (a
+    benchmark's call timer) or keep a handle on it for a raw baseline, then pass it as ``agent``."""
     try:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -334,7 +337,7 @@ class NixlEndpoint:
         if not name:
             raise LocalProtocolError("endpoint name must be non-empty", field="name")
         self._name = name
-        self._agent = agent if agent is not None else _make_agent(name, progress_thread)
+        self._agent = agent if agent is not None else make_agent(name, progress_thread=progress_thread)
         self._on_close = on_close
         self._regions: dict[Region, Any] = {}
         self._breaks: set[int] = set()
@@ -453,14 +456,14 @@ class NixlEndpoint:
         self._peers.add(peer)
         return peer
 
-    def remove_peer(self, peer: str) -> None:
+    def remove_peer(self, peer: object) -> None:
         """Drop a peer's metadata (disconnects) and release prepped lists naming its memory.
 
         Called: on membership change, owner thread. Refused while handles to that peer are live.
         After error: ``AdapterError(op="remove_remote_agent")``; the peer may be half removed.
         """
         self._check_open()
-        self._check_peer(peer)
+        peer = self._check_peer(peer)
         if any(h.peer == peer for h in self._live.values()):
             raise LocalProtocolError("remove_peer with live handles to it", field="peer", peer=peer)
         for prep in [p for p in self._prepped.values() if p.peer == peer]:
@@ -475,12 +478,12 @@ class NixlEndpoint:
 
     def post_write(
         self,
-        peer: str,
+        peer: object,
         local: Sequence[tuple[int, int]],
         remote: Sequence[tuple[int, int]],
-        mem: MemKind,
-        remote_mem: MemKind | None = None,
-        notif: bytes | None = None,
+        mem: object,
+        remote_mem: object = None,
+        notif: object = None,
         *,
         device_id: int = 0,
         remote_device_id: int = 0,
@@ -496,9 +499,12 @@ class NixlEndpoint:
         ``posted=None``: in doubt; ``error.handle`` is rooted, poll it; only DONE proves quiescence.
         """
         self._check_open()
-        self._check_peer(peer)
-        self._check_notif(notif)
+        peer = self._check_peer(peer)
+        payload = b"" if notif is None else self._check_notif(notif)  # b"": NIXL's "no notification"
         rmem = mem if remote_mem is None else remote_mem
+        if not isinstance(mem, MemKind) or not isinstance(rmem, MemKind):
+            raise LocalProtocolError("mem and remote_mem must be MemKinds", field="mem" if not isinstance(
+                mem, MemKind) else "remote_mem", mem=mem, remote_mem=remote_mem)
         lrows: Any
         rrows: Any
         if _is_small(local, remote):  # lists of 3-tuples: NIXL's cheapest input for a few descriptors
@@ -518,7 +524,7 @@ class NixlEndpoint:
             rdl = self._agent.get_xfer_descs(rrows, rmem.value)
             if ldl is None or rdl is None:
                 raise ValueError("NIXL refused the descriptor arrays")
-            lib = self._agent.initialize_xfer("WRITE", ldl, rdl, peer, notif or b"")
+            lib = self._agent.initialize_xfer("WRITE", ldl, rdl, peer, payload)
         except Exception as e:
             raise AdapterError("could not prepare the WRITE", cause=e, op="initialize_xfer",
                                posted=False, peer=peer, nbytes=nbytes) from e
@@ -574,8 +580,10 @@ class NixlEndpoint:
         self._prepped[id(prep)] = prep
         return prep
 
-    def release_prepped(self, prep: PreppedBlocks) -> None:
+    def release_prepped(self, prep: object) -> None:
         """Release a prepped list. Idempotent. Called: teardown or peer removal, owner thread."""
+        if not isinstance(prep, PreppedBlocks):
+            raise LocalProtocolError("not a prepped list", field="prep")
         if prep.released:
             return
         try:
@@ -587,12 +595,12 @@ class NixlEndpoint:
 
     def post_write_blocks(
         self,
-        peer: str,
-        local_prep: PreppedBlocks,
+        peer: object,
+        local_prep: object,
         local_idx: np.ndarray | list[int],
-        remote_prep: PreppedBlocks,
+        remote_prep: object,
         remote_idx: np.ndarray | list[int],
-        notif: bytes | None = None,
+        notif: object = None,
     ) -> XferHandle:
         """Post one WRITE of local blocks ``local_idx`` into the peer's blocks ``remote_idx``.
 
@@ -600,11 +608,10 @@ class NixlEndpoint:
         contiguous in memory on both sides. Called, Ownership, After error: as ``post_write``.
         """
         self._check_open()
-        self._check_peer(peer)
-        self._check_notif(notif)
-        for prep, side in ((local_prep, "local_prep"), (remote_prep, "remote_prep")):
-            if self._prepped.get(id(prep)) is not prep:  # released, or another endpoint's
-                raise LocalProtocolError("prepped list is not live on this endpoint", field=side)
+        peer = self._check_peer(peer)
+        payload = b"" if notif is None else self._check_notif(notif)  # b"": NIXL's "no notification"
+        local_prep = self._check_prep(local_prep, "local_prep")
+        remote_prep = self._check_prep(remote_prep, "remote_prep")
         if local_prep.peer is not None:
             raise LocalProtocolError("local_prep must be prepped with peer=None", field="local_prep")
         if remote_prep.peer != peer:
@@ -635,8 +642,7 @@ class NixlEndpoint:
                 raise LocalProtocolError("block sizes differ", field="remote_prep")
             nbytes, count = int(local_sizes.sum()), int(li.size)
         try:
-            lib = self._agent.make_prepped_xfer("WRITE", local_prep._lib, li, remote_prep._lib, ri,
-                                                notif or b"")
+            lib = self._agent.make_prepped_xfer("WRITE", local_prep._lib, li, remote_prep._lib, ri, payload)
         except Exception as e:
             raise AdapterError("could not make the prepped WRITE", cause=e, op="make_prepped_xfer",
                                posted=False, peer=peer, nbytes=nbytes) from e
@@ -663,14 +669,14 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------------ completion
 
-    def poll(self, handle: XferHandle) -> XferStatus:
+    def poll(self, handle: object) -> XferStatus:
         """Ask the library once; returns exactly one status and records it on the handle.
 
         Called: by the NIXL status poller, repeatedly per live handle, owner thread. Cost ~0.5 us.
         After error: a library exception is ``ERROR`` with ``handle.error`` set (never raised); the
         handle may still be polled and may later report DONE. Polling a released handle is refused.
         """
-        self._check_handle(handle)
+        handle = self._check_handle(handle)
         if handle.released:
             raise LocalProtocolError("poll of a released handle", field="handle", xfer_id=handle.xfer_id)
         if handle.status is XferStatus.DONE:  # INV-NX-4
@@ -690,7 +696,7 @@ class NixlEndpoint:
         handle.status = status
         return status
 
-    def release(self, handle: XferHandle) -> None:
+    def release(self, handle: object) -> None:
         """Release a handle that reached DONE or ERROR. Idempotent.
 
         Called: once the driver has turned the status into a core event, owner thread.
@@ -699,7 +705,7 @@ class NixlEndpoint:
         After error: ``LocalProtocolError`` for a live handle (releasing is not a fence);
         ``AdapterError(op="release_xfer_handle")`` when NIXL refused, and the handle stays rooted.
         """
-        self._check_handle(handle)
+        handle = self._check_handle(handle)
         if handle.released:
             return
         if handle.status is XferStatus.IN_PROGRESS:
@@ -716,17 +722,17 @@ class NixlEndpoint:
 
     # ------------------------------------------------------------------ notifications
 
-    def send_notif(self, peer: str, payload: bytes) -> None:
+    def send_notif(self, peer: object, payload: object) -> None:
         """Send a standalone notification (at most ``MAX_NOTIF_NBYTES``). NIXL promises no order.
 
         Called: per control message on the NIXL channel, owner thread. Cost ~7 us (tcp/lo AM).
         After error: ``AdapterError(op="send_notif")``; the message may or may not have been sent.
         """
         self._check_open()
-        self._check_peer(peer)
-        self._check_notif(payload)
+        peer = self._check_peer(peer)
+        data = self._check_notif(payload)
         try:
-            self._agent.send_notif(peer, bytes(payload))
+            self._agent.send_notif(peer, data)
         except Exception as e:
             raise AdapterError("send_notif failed", cause=e, op="send_notif", peer=peer) from e
         finally:  # accepted or not, it may be in flight in UCX until the worker is progressed
@@ -821,20 +827,30 @@ class NixlEndpoint:
         if self._closed:
             raise LocalProtocolError("endpoint is closed", field="endpoint", name=self._name)
 
-    def _check_peer(self, peer: str) -> None:
-        if peer not in self._peers:
-            raise LocalProtocolError("unknown peer; call add_peer first", field="peer", peer=peer)
+    # The checks below take ``object`` and return the narrowed value (rule 9): a public parameter a caller
+    # can get wrong is typed ``object`` and checked here, so both builds answer ``LocalProtocolError``
+    # naming it (the compiled build's own argument check would be a bare ``TypeError``).
 
-    def _check_handle(self, handle: XferHandle) -> None:
+    def _check_peer(self, peer: object) -> str:
+        if not isinstance(peer, str) or peer not in self._peers:
+            raise LocalProtocolError("unknown peer; call add_peer first", field="peer", peer=peer)
+        return peer
+
+    def _check_handle(self, handle: object) -> XferHandle:
         if not isinstance(handle, XferHandle) or handle._owner is not self:
             raise LocalProtocolError("handle does not belong to this endpoint", field="handle")
+        return handle
+
+    def _check_prep(self, prep: object, side: str) -> PreppedBlocks:
+        if not isinstance(prep, PreppedBlocks) or self._prepped.get(id(prep)) is not prep:
+            raise LocalProtocolError("prepped list is not live on this endpoint", field=side)  # or released
+        return prep
 
     @staticmethod
-    def _check_notif(payload: bytes | None) -> None:
-        if payload is None:
-            return
+    def _check_notif(payload: object) -> bytes:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise LocalProtocolError("notification payload must be bytes", field="notif")
         if len(payload) > MAX_NOTIF_NBYTES:
             raise LocalProtocolError("notification payload too large", field="notif",
                                      nbytes=len(payload), max_nbytes=MAX_NOTIF_NBYTES)
+        return bytes(payload)

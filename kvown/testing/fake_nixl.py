@@ -158,6 +158,11 @@ class FakeFabric:
         """The endpoints' thread CPU clock: 1 ms per call on any agent."""
         return self.ticks * 1_000_000
 
+    def agent(self, name: str) -> _FakeAgent:
+        """The fake agent named ``name`` on this fabric (what an endpoint registered, for test oracles);
+        ``KeyError`` when no endpoint of that name is open."""
+        return self._agents[name]
+
     def inject_write(self, fault: WriteFault) -> None:
         self.write_faults.append(fault)
 

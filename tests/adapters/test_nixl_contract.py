@@ -443,6 +443,40 @@ def test_bad_arguments_raise_typed_errors(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_wrong_typed_values_name_their_field_in_both_builds(pair: Pair) -> None:
+    """Rule 9: a value of the wrong type in a public parameter is ``LocalProtocolError`` naming it - in the
+    compiled build too, where a parameter typed ``str`` would be refused by mypyc as a bare ``TypeError``
+    before the endpoint's own check runs. Nothing is posted, sent or released."""
+    a, b, s, d = pair.a, pair.b, pair.src_addr, pair.dst_addr
+    local = a.prep_blocks(s, 4 * KIB, 2, MemKind.DRAM)
+    remote = a.prep_blocks(d, 4 * KIB, 2, MemKind.DRAM, peer=b.name)
+    h = a.post_write(b.name, [(s, 8)], [(d, 8)], MemKind.DRAM)
+    calls = {
+        "peer": [lambda: a.send_notif(7, b"x"), lambda: a.remove_peer(None),
+                 lambda: a.post_write(b.name.encode(), [(s, 8)], [(d, 8)], MemKind.DRAM),
+                 lambda: a.post_write_blocks(7, local, [0], remote, [0])],
+        "notif": [lambda: a.send_notif(b.name, "text"), lambda: a.send_notif(b.name, None),
+                  lambda: a.post_write(b.name, [(s, 8)], [(d, 8)], MemKind.DRAM, notif=3),
+                  lambda: a.post_write_blocks(b.name, local, [0], remote, [0], notif=["x"])],
+        "mem": [lambda: a.post_write(b.name, [(s, 8)], [(d, 8)], "DRAM")],
+        "remote_mem": [lambda: a.post_write(b.name, [(s, 8)], [(d, 8)], MemKind.DRAM, remote_mem=0)],
+        "local_prep": [lambda: a.post_write_blocks(b.name, "prep", [0], remote, [0])],
+        "remote_prep": [lambda: a.post_write_blocks(b.name, local, [0], None, [0])],
+        "handle": [lambda: a.poll(h.xfer_id), lambda: a.release("handle"), lambda: b.poll(h)],
+        "prep": [lambda: a.release_prepped(0)],
+    }
+    for field, bad_calls in calls.items():
+        for call in bad_calls:
+            with pytest.raises(LocalProtocolError) as e:
+                call()
+            assert e.value.field == field
+    assert a.live_handles == 1 and a.peers == {b.name}  # nothing changed: the one good WRITE is all
+    assert pair.wait(h) is XferStatus.DONE
+    a.release(h)
+    assert a.post_write_blocks(b.name, local, [0], remote, [1]) is not None  # the preps are still live
+
+
+@pytest.mark.timeout(60)
 def test_late_registration_needs_fresh_metadata(pair: Pair) -> None:
     late = np.zeros(8 * KIB, dtype=np.uint8)
     pair.b.register(late.ctypes.data, late.nbytes, MemKind.DRAM)

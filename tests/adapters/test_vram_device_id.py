@@ -64,8 +64,9 @@ def gpu_pool(scale_layout: str) -> KVPool:
     return pool
 
 
-def transport(space: Any) -> KVTransport:
-    return KVTransport(FakeNixlEndpoint("r0", fabric=FakeFabric(), agent_type=_MultiGpuAgent), 0, space, torch.zeros(64, dtype=torch.uint8),
+def transport(space: Any, fabric: FakeFabric | None = None) -> KVTransport:
+    endpoint = FakeNixlEndpoint("r0", fabric=fabric or FakeFabric(), agent_type=_MultiGpuAgent)
+    return KVTransport(endpoint, 0, space, torch.zeros(64, dtype=torch.uint8),
                        aux_slot_nbytes=16, roles=frozenset({Role.RECEIVER}), geometry_digest="g")
 
 
@@ -74,8 +75,9 @@ def test_vram_is_registered_under_the_gpu_that_holds_it(scale_layout: str) -> No
     pool = gpu_pool(scale_layout)
     space = pool.space()
     assert (space.mem, space.device_id) == ("VRAM", GPU)
-    t = transport(space)
-    agent = t.endpoint._agent
+    fabric = FakeFabric()
+    transport(space, fabric)
+    agent = fabric.agent("r0")
     assert [d for _, d in agent.vram] == [GPU] * len(space.regions)  # every region, scales included
     assert [a for a, _ in agent.vram] == [r.base_addr for r in space.regions]
 

@@ -70,10 +70,11 @@ def _nixl_target(conn: Any, deadline_s: float) -> None:
 
 
 class _Initiator:
-    """The initiating side of the NIXL control benchmark: one endpoint, one peer, one deadline."""
+    """The initiating side of the NIXL control benchmark: one endpoint, one peer, one deadline, and the
+    endpoint's NIXL agent (``agent``) for the one probe that must bypass kvown's payload cap."""
 
-    def __init__(self, ep: Any, peer: Any, deadline_s: float) -> None:
-        self.ep, self.peer = ep, peer
+    def __init__(self, ep: Any, agent: Any, peer: Any, deadline_s: float) -> None:
+        self.ep, self.agent, self.peer = ep, agent, peer
         self.end = time.monotonic() + deadline_s
 
     def wait_notif(self, want: bytes, limit_s: float | None = None) -> None:
@@ -133,7 +134,7 @@ class _Initiator:
         largest = 0
         for size in NOTIF_SIZES:
             try:
-                self.ep._agent.send_notif(self.peer, b"s" + bytes(size - 1))
+                self.agent.send_notif(self.peer, b"s" + bytes(size - 1))
                 self.wait_notif(b"z%d" % size, limit_s=10.0)
             except Exception as e:
                 out["notif_error"] = f"{size}: {type(e).__name__}: {e}"
@@ -143,16 +144,18 @@ class _Initiator:
 
 
 def _nixl_initiator(conn: Any, iters: int, deadline_s: float, full: bool) -> None:
-    from kvown.adapters.nixl import MemKind, NixlEndpoint
+    from kvown.adapters.nixl import MemKind, NixlEndpoint, make_agent
 
-    ep = NixlEndpoint(f"bench-init-{os.getpid()}")
+    name = f"bench-init-{os.getpid()}"
+    agent = make_agent(name)
+    ep = NixlEndpoint(name, agent=agent)
     src = np.ones(BUF_NBYTES, dtype=np.uint8)
     ep.register(src.ctypes.data, src.nbytes, MemKind.DRAM)
     tmd, raddr = conn.recv()
     peer = ep.add_peer(tmd)
     conn.send(ep.metadata())
     laddr = src.ctypes.data
-    run = _Initiator(ep, peer, deadline_s)
+    run = _Initiator(ep, agent, peer, deadline_s)
     out: dict[str, Any] = {}
     run.ping_rtt(100)  # warm up the connection
     out["notif_rtt"] = _pct(run.ping_rtt(iters))

@@ -30,7 +30,7 @@ import sys
 import time
 import tracemalloc
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -52,8 +52,10 @@ class PairSpec:
 class Pair:
     """A sender rank (0) and a receiver rank (1): production drivers stepped by the calling thread."""
 
-    def __init__(self, spec: PairSpec) -> None:
-        from kvown.adapters.nixl import NixlEndpoint
+    def __init__(self, spec: PairSpec, wrap_agent: Callable[[int, Any], Any] | None = None) -> None:
+        """``wrap_agent(rank, agent)``: what each rank's endpoint drives instead of its real NIXL agent
+        (a call timer); not with ``spec.fake``."""
+        from kvown.adapters.nixl import NixlEndpoint, make_agent
         from kvown.cache.layout import KVLayout
         from kvown.runtime.config import TransferConfig
         from kvown.testing.fake_nixl import FakeFabric, FakeNixlEndpoint
@@ -73,8 +75,10 @@ class Pair:
         tag = f"cost{os.getpid()}-{id(self) & 0xFFFF:x}"
 
         def endpoint(rank: int) -> Any:
-            return (FakeNixlEndpoint(f"{tag}-r{rank}", fabric=fabric) if fabric is not None
-                    else NixlEndpoint(f"{tag}-r{rank}"))
+            name = f"{tag}-r{rank}"
+            if fabric is not None:
+                return FakeNixlEndpoint(name, fabric=fabric)
+            return NixlEndpoint(name, agent=None if wrap_agent is None else wrap_agent(rank, make_agent(name)))
 
         pair = DriverPair(config, layout=layout, key=b"cost-bench-key-0123456789", clock=time.monotonic_ns,
                           recorder_clock=time.monotonic_ns, endpoint=endpoint,
@@ -219,15 +223,15 @@ class Rids:
 def nixl_breakdown(sessions: int, window: int, spec: PairSpec) -> dict[str, Any]:
     """Per session and side: the CPU spent inside NIXL library calls, and the number of calls, so the
     engine's own Python share is the engine figure minus this."""
-    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, window)))
-    sinks = [collections.Counter(), collections.Counter()]
-    counts = [collections.Counter(), collections.Counter()]
+    sinks: list[collections.Counter[str]] = [collections.Counter(), collections.Counter()]
+    counts: list[collections.Counter[str]] = [collections.Counter(), collections.Counter()]
+    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, window)),
+                wrap_agent=lambda rank, agent: _Timed(agent, sinks[rank], counts[rank]))
     try:
         rids = Rids()
         pair.run(rids.take(100), 1, window)
-        for rank in (0, 1):
-            ep = pair.transports[rank].endpoint
-            ep._agent = _Timed(ep._agent, sinks[rank], counts[rank])
+        for counter in (*sinks, *counts):  # the warm-up's calls are nobody's figure
+            counter.clear()
         pair.reset()
         pair.run(rids.take(sessions), 1, window)
         in_sink_ns, in_all_ns = _timed_overhead_ns()
