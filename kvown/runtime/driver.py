@@ -347,9 +347,9 @@ class Driver:
             actions = self._handle(core, event)
             if actions is None:
                 continue
-            self._execute(core, actions)
             if core is self.sender and type(event) in _MAY_PUBLISH and self._unpublished:
-                self._note_publication(event)
+                self._note_publication(event)  # before the actions: one of them may post (posted_ns after it)
+            self._execute(core, actions)
 
     def _handle(self, core: RankCore[Any], event: Event) -> list[Action] | None:
         """One event into its core under ``lock`` (rule 7); None: a peer's bad input, dropped (rule 5)."""

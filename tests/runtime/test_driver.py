@@ -429,11 +429,14 @@ def _handle_times_are_true(p: Pair) -> list[int]:
     latency read off the handles, ``retired_ns - released_ns`` and the rest; all must be >= 0."""
     out = []
     for seq in range(40, 46):
-        rid, handle, _ = p.transfer(seq)
+        rid, handle, send = p.transfer(seq)
         p.rx.release(rid) if seq % 2 else p.rx.cancel(rid)
         p.run(handle.retired.is_set)
         start = handle.released_ns if seq % 2 else handle.cancelled_ns
         out += [handle.retired_ns - start, handle.landed_ns - handle.opened_ns]
+        out += [send.published_ns - send.opened_ns, send.posted_ns - send.published_ns]  # one step: post too
+        p.run(send.released.is_set)
+        out.append(send.released_ns - send.posted_ns)
     return out
 
 
@@ -454,6 +457,28 @@ def test_the_clock_check_catches_stamps_taken_from_the_steps_start(monkeypatch: 
     clock.pair = p
     for d in p.drivers.values():
         d._stamp = lambda d=d: d._now_ns
+    assert any(v < 0 for v in _handle_times_are_true(p))
+
+
+@pytest.mark.interpreted_only
+@pytest.mark.timeout(30)
+def test_the_clock_check_catches_a_publication_stamped_after_its_post(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the old order in ``_pump`` - the actions (the WRITE's post) first, then the publication's
+    stamp - gives ``posted_ns < published_ns`` whenever the publication and the post share a step."""
+    def old_pump(self: Driver) -> None:
+        while self._events and self.fatal is None:
+            core, event = self._events.popleft()
+            actions = self._handle(core, event)
+            if actions is None:
+                continue
+            self._execute(core, actions)
+            if core is self.sender and self._unpublished:
+                self._note_publication(event)
+
+    monkeypatch.setattr(Driver, "_pump", old_pump)
+    clock = _AdvancingClock()
+    p = Pair(clock=clock)
+    clock.pair = p
     assert any(v < 0 for v in _handle_times_are_true(p))
 
 
