@@ -92,7 +92,7 @@ class LiveRequests:
     @staticmethod
     def _alive(entry: Any) -> bool:
         if isinstance(entry, Ticket):  # a receive not yet answered by the driver
-            return not entry.future.done() or (entry.future.exception() is None and _alive_handle(entry.future.result()))
+            return not entry.future.done() or (not entry.future.failed() and _alive_handle(entry.future.result()))
         return _alive_handle(entry)
 
     def claim(self, role: Role, request_id: int, entry: Any) -> None:
@@ -162,15 +162,15 @@ def _unpack(request_id: int, code: int) -> CloseResult:
 def _final(request_id: int, entry: Any) -> CloseResult:
     """How a finished entry ended (its handle retired / released, or it was refused)."""
     future = entry.future if isinstance(entry, Ticket) else entry.outcome
-    if isinstance(entry, Ticket) and future.done() and future.exception() is None:
+    if isinstance(entry, Ticket) and future.done() and not future.failed():
         future = future.result().outcome
-    if future.done() and future.exception() is not None:
+    if future.failed():
         return CloseResult(request_id, CloseStatus.REFUSED)
     return CloseResult(request_id, CloseStatus.ALREADY_RETIRED, outcome_of(future))
 
 
 def _alive_handle(handle: Any) -> bool:
-    if handle.outcome.done() and handle.outcome.exception() is not None:
+    if handle.outcome.failed():
         return False
     done = handle.released if isinstance(handle, SendHandle) else handle.retired
     return not done.is_set()

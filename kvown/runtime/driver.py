@@ -473,8 +473,7 @@ class Driver:
         """Rule 7a: release a delivered receive; a late release (retired, or concluded without
         delivery by a racing cancel or timeout) is a counted no-op."""
         handle = self._recvs.get(rid)
-        if handle is None or (handle.outcome.done() and handle.outcome.exception() is None
-                              and handle.outcome.result() is not Outcome.COMPLETED):
+        if handle is None or handle.result() not in (None, Outcome.COMPLETED):  # concluded undelivered
             self._late("late_release", rid)
             return
         if not handle.released_ns:
