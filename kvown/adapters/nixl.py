@@ -302,6 +302,13 @@ def _status_of(text: Any) -> XferStatus | None:
     return None
 
 
+def _check_mem(mem: object, field: str) -> MemKind:
+    """``mem`` narrowed to a ``MemKind``, else ``LocalProtocolError`` naming ``field`` (rule 9)."""
+    if not isinstance(mem, MemKind):
+        raise LocalProtocolError(f"{field} must be a MemKind", field=field, mem=mem)
+    return mem
+
+
 def make_agent(name: str, *, progress_thread: bool = False) -> Any:
     """NIXL's agent for ``name`` with the UCX backend; ``AdapterError(op="create_agent")`` otherwise.
 
@@ -374,8 +381,7 @@ class NixlEndpoint:
         After error: ``AdapterError(op="register_memory")``; nothing was registered.
         """
         self._check_open()
-        if not isinstance(mem, MemKind):
-            raise LocalProtocolError("mem must be a MemKind", field="mem", mem=mem)
+        mem = _check_mem(mem, "mem")
         if addr <= 0 or nbytes <= 0:
             raise LocalProtocolError("register needs addr > 0 and nbytes > 0", field="nbytes",
                                      addr=addr, nbytes=nbytes)
@@ -501,10 +507,8 @@ class NixlEndpoint:
         self._check_open()
         peer = self._check_peer(peer)
         payload = b"" if notif is None else self._check_notif(notif)  # b"": NIXL's "no notification"
-        rmem = mem if remote_mem is None else remote_mem
-        if not isinstance(mem, MemKind) or not isinstance(rmem, MemKind):
-            raise LocalProtocolError("mem and remote_mem must be MemKinds", field="mem" if not isinstance(
-                mem, MemKind) else "remote_mem", mem=mem, remote_mem=remote_mem)
+        mem = _check_mem(mem, "mem")
+        rmem = mem if remote_mem is None else _check_mem(remote_mem, "remote_mem")
         lrows: Any
         rrows: Any
         if _is_small(local, remote):  # lists of 3-tuples: NIXL's cheapest input for a few descriptors
