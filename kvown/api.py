@@ -20,6 +20,8 @@ Rules:
      an error.
   6. Validation reads only the rank's immutable ``RankView`` (peers, geometry, aux size) and the
      handles; never the engine's mutable tables.
+  7. A handle's callbacks run on the engine thread: from there the API never waits for the engine (a
+     ``receive`` raises; a receive the engine has not taken yet reads as not open).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kvown.runtime.commands import (
 from kvown.runtime.engine import Engine
 from kvown.runtime.view import RankView
 
+_INT_ONLY = {int}  # exactly int: a bool or an int subclass is not a block id
 WITHDRAWN_WAIT_S = 60.0  # a taken receive resolves within one engine step; this only bounds a dead engine
 
 
@@ -82,15 +85,15 @@ def _block_ids(blocks: Any, num_blocks: int, field: str) -> tuple[int, ...]:
         raise LocalProtocolError(f"{field} must be a sequence of block ids", field=field) from None
     if not out:
         raise LocalProtocolError(f"{field} must not be empty", field=field)
-    bad = [b for b in out if type(b) is not int or not 0 <= b < num_blocks]
-    if bad:
+    if set(map(type, out)) != _INT_ONLY or min(out) < 0 or max(out) >= num_blocks:  # C-level scans first
+        bad = [b for b in out if type(b) is not int or not 0 <= b < num_blocks]
         raise LocalProtocolError("block id out of range", field=field, blocks=bad[:4], num_blocks=num_blocks)
     return out
 
 
-def _check_callback(on_done: Any) -> None:
-    if on_done is not None and not callable(on_done):
-        raise LocalProtocolError("on_done must be callable", field="on_done", value=type(on_done).__name__)
+def _check_callback(callback: Any, field: str) -> None:
+    if callback is not None and not callable(callback):
+        raise LocalProtocolError(f"{field} must be callable", field=field, value=type(callback).__name__)
 
 
 def _token(token: Any, field: str) -> Any:
@@ -153,7 +156,7 @@ class Sender:
                 raise LocalProtocolError("aux payload larger than an aux slot", field="aux", nbytes=len(aux),
                                          max_nbytes=view.aux_slot_nbytes)
             aux = bytes(aux)
-        _check_callback(on_done)
+        _check_callback(on_done, "on_done")
         if not isinstance(dst_suffix, bool) or (dst_suffix and num_pieces != 1):
             raise LocalProtocolError("dst_suffix is True or False, and needs num_pieces=1", field="dst_suffix",
                                      value=dst_suffix, num_pieces=num_pieces)
@@ -213,6 +216,7 @@ class Receiver:
         timeout_s: float = 10.0,
         blocks: Sequence[int] | None = None,
         on_done: Callable[[ReceiveHandle], None] | None = None,
+        on_landed: Callable[[ReceiveHandle], None] | None = None,
     ) -> ReceiveHandle:
         """Allocate destination blocks and publish them to ``writers``.
 
@@ -225,10 +229,17 @@ class Receiver:
         to kvown) and ``num_blocks=None``; they go back through ``on_done`` / the ledger's
         ``on_returned`` at retirement, never earlier.
         Ownership: ``handle.blocks`` belong to kvown until ``handle.retired`` is set; ``on_done(handle)``
-        is then called once on the engine thread (quick, thread-safe, must not raise).
+        is then called once on the engine thread (quick, thread-safe, must not raise). ``on_landed(handle)``
+        is called once on the engine thread when the KV landed (``landed`` set, outcome COMPLETED).
+        Callbacks may call the non-blocking methods (``Sender.send``, ``submit_receive``, ``release``,
+        ``cancel``); ``receive`` itself waits for the engine, so on its thread it raises (rule 7).
         """
+        if self._engine.on_engine_thread():
+            raise LocalProtocolError("receive() waits for the engine: from a callback use submit_receive",
+                                     field="receive")
         ticket = self.submit_receive(request_id, num_blocks, writers, num_slices=num_slices, aux=aux,
-                                     timeout_s=timeout_s, blocks=blocks, on_done=on_done)  # validates all
+                                     timeout_s=timeout_s, blocks=blocks, on_done=on_done,
+                                     on_landed=on_landed)  # validates all
         try:
             handle = ticket.future.result(timeout_s)
         except TimeoutError:
@@ -243,6 +254,7 @@ class Receiver:
         self, request_id: int, num_blocks: int | None, writers: Sequence[int], *, num_slices: int = 1,
         aux: bool = False, timeout_s: float = 10.0, blocks: Sequence[int] | None = None,
         on_done: Callable[[ReceiveHandle], None] | None = None,
+        on_landed: Callable[[ReceiveHandle], None] | None = None,
     ) -> Ticket:
         """``receive`` without the wait: validate, queue, and return the ticket whose ``future`` resolves
         to the handle (or ``PoolExhausted`` / ``LocalProtocolError``). For event-loop servers and the
@@ -263,7 +275,8 @@ class Receiver:
             raise LocalProtocolError("kvown allocates from its own pool here: pass num_blocks, not blocks",
                                      field="blocks")
         _positive_int(num_blocks, "num_blocks", at_most=view.num_blocks)
-        _check_callback(on_done)
+        _check_callback(on_done, "on_done")
+        _check_callback(on_landed, "on_landed")
         writers = _writers(writers, view)
         _positive_int(num_slices, "num_slices", at_most=len(writers))
         if len(writers) % num_slices:
@@ -282,7 +295,7 @@ class Receiver:
         _check_open(engine, request_id)
         ticket = Ticket()
         engine.live.claim(Role.RECEIVER, request_id, ticket)
-        engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket, lent, on_done))
+        engine.submit(Receive(request_id, num_blocks, writers, num_slices, aux, ticket, lent, on_done, on_landed))
         return ticket
 
     def cancel(self, request_id: int, *, ready: Any = None, writers: Sequence[int] = ()) -> CloseResult:
@@ -301,7 +314,7 @@ class Receiver:
         entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
         if closed is not None:
             return closed
-        handle = _resolved(entry)
+        handle = _resolved(entry, self._engine)
         if handle is not None:
             if handle.closing:
                 return CloseResult(rid, CloseStatus.ALREADY_CLOSING, handle.result())
@@ -327,7 +340,7 @@ class Receiver:
         entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
         if closed is not None:
             return closed
-        handle = _resolved(entry)
+        handle = _resolved(entry, self._engine)
         if handle is None:
             raise LocalProtocolError("release: no receive session for this request on this rank",
                                      field="request_id", request_id=rid)
@@ -345,7 +358,7 @@ class Receiver:
         and its outcome. After error: ``LocalProtocolError(field="request_id")`` for an unknown id."""
         rid = _check_rid(request_id)
         entry, closed = self._engine.live.lookup(Role.RECEIVER, rid)
-        handle = _resolved(entry)
+        handle = _resolved(entry, self._engine)
         if handle is not None:
             return ReceiveStatus(rid, handle.phase, handle.result())
         if closed is None:
@@ -371,7 +384,7 @@ class Receiver:
         self._engine.submit(LocalCopy(request_id, ready))
 
     def _live_handle(self, request_id: int, what: str) -> ReceiveHandle:
-        handle = _resolved(self._engine.live.live(Role.RECEIVER, _check_rid(request_id)))
+        handle = _resolved(self._engine.live.live(Role.RECEIVER, _check_rid(request_id)), self._engine)
         if handle is None:
             raise LocalProtocolError(f"{what}: no live receive session for this request", field="request_id",
                                      request_id=request_id)
@@ -384,9 +397,12 @@ class Receiver:
         return self._engine.read_aux(handle)
 
 
-def _resolved(entry: Any) -> ReceiveHandle | None:
-    """The handle behind a live entry (a ticket resolves within one engine step), or None."""
+def _resolved(entry: Any, engine: Engine) -> ReceiveHandle | None:
+    """The handle behind a live entry (a ticket resolves within one engine step), or None. On the
+    engine thread an unanswered ticket is None: its step cannot come while we wait (rule 7)."""
     if isinstance(entry, Ticket):
+        if not entry.future.done() and engine.on_engine_thread():
+            return None
         try:
             return entry.future.result(WITHDRAWN_WAIT_S)  # type: ignore[no-any-return]
         except KvownError:  # refused (pool exhausted, admission): no session

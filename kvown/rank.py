@@ -156,15 +156,21 @@ class RankRuntime:
 
     @property
     def sender(self):  # noqa: ANN201
-        from kvown.api import Sender
+        facade = self._api.get("sender")  # built once: callers reach it once per session
+        if facade is None:
+            from kvown.api import Sender
 
-        return self._api.setdefault("sender", Sender(self.engine))
+            facade = self._api.setdefault("sender", Sender(self.engine))
+        return facade
 
     @property
     def receiver(self):  # noqa: ANN201
-        from kvown.api import Receiver
+        facade = self._api.get("receiver")
+        if facade is None:
+            from kvown.api import Receiver
 
-        return self._api.setdefault("receiver", Receiver(self.engine))
+            facade = self._api.setdefault("receiver", Receiver(self.engine))
+        return facade
 
     @property
     def view(self) -> RankView:

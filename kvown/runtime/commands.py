@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from kvown.adapters.transport import Role
 from kvown.core.actions import Outcome
-from kvown.core.errors import KvownError
+from kvown.core.errors import KvownError, LocalProtocolError
 from kvown.runtime.handles import (LazyEvent, LazyFuture, ReceiveHandle, ReceivePhase, SendHandle, SendPhase,
                                    Ticket, outcome_of)
 
@@ -97,8 +97,6 @@ class LiveRequests:
 
     def claim(self, role: Role, request_id: int, entry: Any) -> None:
         """Register ``entry`` for ``request_id``; ``LocalProtocolError`` if a live one exists (nothing changes)."""
-        from kvown.core.errors import LocalProtocolError
-
         key = (role, request_id)
         with self._lock:
             current = self._entries.get(key)
@@ -201,6 +199,7 @@ class Receive(Command):
     ticket: Ticket
     blocks: tuple[int, ...] = ()  # bring-your-own memory: the blocks the server lends (else allocate)
     on_done: Callable[[Any], None] | None = None
+    on_landed: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,12 @@ Rules:
   5. Bad peer input is dropped and counted; it changes no core state.
   6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
   6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug: the INVARIANT fail-stop of rule 6.
-  7. Other threads call only ``submit`` and the pure readers (``check_fatal``, ``next_deadline_ns``,
-     ``statistics``, ``view``); cores are touched under ``lock`` only, held while one core handles one event.
+  7. Other threads call ``submit`` and pure readers only (``check_fatal``, ``next_deadline_ns``, ``view``,
+     ``statistics``, ``earliest_deadline_ns``); cores are touched under ``lock``, held per core event.
   7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a watermark under
      a live session); a close's ready token waits first. A send's tokens ready at once ride on its open.
-  8. The hot path formats nothing and scans nothing that does not move.
-  9. ``probe("retire", request_id)`` (default None) is the one test hook, called mid-retirement.
+  8. The hot path formats nothing and scans nothing that does not move. 9. ``probe`` is the one test hook.
+  10. Callbacks (``on_landed``, ``on_done``) run after their event and outcome; what they raise is counted.
 
 Invariants: INV-DR1 a PostWrite is executed only as the core emits it. INV-DR2 blocks return to the pool
 only on RetireBlocks, or AdmissionRefused of an unpublished session. INV-DR3 every stamped frame is sent.
@@ -101,6 +101,7 @@ EV_SEND = event_code("send", "dst", "seq", "msgs")
 EV_RECV = event_code("recv", "msg", "src", "seq", "index")
 EV_RECV_CARRIED = event_code("recv_carried", "msg", "src", "piece")
 EV_POST = event_code("post", "op", "dst", "carried")
+EV_POST_RETURNED = event_code("post_returned", "op")
 EV_OPEN_SEND = event_code("open_send", "pieces")
 EV_OPEN_RECEIVE = event_code("open_receive", "writers")
 EV_CANCEL = event_code("cancel", "role")
@@ -110,6 +111,7 @@ EV_RETIRE = event_code("retire", "blocks")
 _OUTCOME_NAMES = {o: o.value for o in Outcome}  # a member's .value is a Python property: read once here
 _MAY_PUBLISH = (MessageReceived, OpenSend)  # the inputs that can attach a publication to a send session
 FRAME_BUDGET_NBYTES = 256 * 1024  # a batch is split below this (MAX_FRAME_NBYTES is 1 MiB)
+NO_DEADLINE_NS = 1 << 62  # ``earliest_deadline_ns`` when no core runs a clock
 TOKEN_POLL_BUDGET = 256  # pending sends whose ready tokens one step queries (round robin, rule 8)
 
 
@@ -164,6 +166,8 @@ class Driver:
         self.router = Router(rank, self.sender, self.receiver, self.inn)  # routing and carried reports (rule 3a)
         self.resend = ResendQueue(transport, retry_s=config.control_retry_s, stats=self.stats, recorder=recorder)
         self.fatal: FailStop | None = None
+        # rule 7: written by each step; no core deadline, so no fail-stop, falls before it (0: unknown)
+        self.earliest_deadline_ns = 0
         # lent memory has no canaries (kvown.rank refuses the pair with a ConfigError naming ``canary``)
         self.canaries = Canaries.of_pool(pool) if config.canary and isinstance(pool, KVPool) else None
         self._now_ns = 0
@@ -323,10 +327,14 @@ class Driver:
                 moved |= self._poll_tokens()
             if self.resend:
                 moved |= self._resend()
+            due_ns = NO_DEADLINE_NS
             for core in self._core_list:
                 deadline = core.next_deadline_ns()
-                if deadline is not None and now_ns >= deadline:
-                    self._events.append((core, Tick()))
+                if deadline is not None:
+                    if now_ns >= deadline:
+                        self._events.append((core, Tick()))
+                    due_ns = min(due_ns, deadline)
+            self.earliest_deadline_ns = due_ns
             if self._events:
                 moved = True
                 self._pump()
@@ -428,7 +436,7 @@ class Driver:
             command.handle.outcome.set_exception(
                 LocalProtocolError("request already has a live send session here", field="request_id",
                                    request_id=rid))
-            _finish(command.handle, command.handle.released)
+            self._finish(command.handle, command.handle.released)
             return
         aux_slot = self._take_aux() if command.aux is not None else -1
         if command.aux is not None and aux_slot < 0:
@@ -526,7 +534,8 @@ class Driver:
                 ticket.future.set_exception(AdmissionError(  # hook must report this cause, not a crash
                     "this rank is fail-stopping", request_id=rid, reason=str(exc)))
                 raise
-        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=self._stamp(), on_done=command.on_done)
+        handle = ReceiveHandle(rid, blocks, aux_slot, opened_ns=self._stamp(), on_done=command.on_done,
+                               on_landed=command.on_landed)
         self._recvs[rid] = handle
         ticket.future.set_result(handle)
         self.recorder.note(EV_OPEN_RECEIVE, rid, command.writers)
@@ -721,7 +730,7 @@ class Driver:
             if state.aux_slot >= 0:
                 self._aux_free.append(state.aux_slot)
             state.handle.released_ns = self._stamp()
-            _finish(state.handle, state.handle.released)
+            self._finish(state.handle, state.handle.released)
 
     def _post(self, action: PostWrite) -> None:
         """One PostWrite, one transport call, exactly one submit event back (rule 2)."""
@@ -731,6 +740,7 @@ class Driver:
             notif = self.codec.encode_carried(self.rank, action.receiver_rank, action.result)
         self.recorder.note(EV_POST, action.request_id, action.op_id, action.receiver_rank, notif is not None)
         outcome = self.transport.write(action, state.aux_slot if state is not None else -1, notif)
+        self.recorder.note(EV_POST_RETURNED, action.request_id, action.op_id)  # the copy ran inside (UCX cma)
         if isinstance(outcome, Posted):
             handle = outcome.handle
             self._writes[action.op_id] = handle
@@ -762,8 +772,11 @@ class Driver:
             handle = self._recvs.get(rid)
             if handle is not None and action.outcome is not Outcome.COMPLETED:
                 self.pool.hold(handle.blocks)  # OWNED -> HELD: awaiting proof that writers quiesced
-        if handle is not None and not handle.outcome.done():
-            handle.outcome.set_result(action.outcome)
+        if handle is None or handle.outcome.done():
+            return
+        handle.outcome.set_result(action.outcome)
+        if type(handle) is ReceiveHandle and handle.on_landed is not None and handle.landed.is_set():
+            self._callback(handle.on_landed, handle, "on_landed")  # rule 10: landed, outcome committed
 
     def _retire(self, rid: int) -> None:
         self.router.forget(rid)
@@ -779,7 +792,7 @@ class Driver:
             self._aux_free.append(handle.aux_slot)
         handle.retired_ns = self._stamp()  # after the canary fill: the blocks are back from here on
         self.recorder.note(EV_RETIRE, rid, len(handle.blocks))
-        _finish(handle, handle.retired)
+        self._finish(handle, handle.retired)
 
     def _refuse(self, core: RankCore[Any], action: AdmissionRefused) -> None:
         error = AdmissionError("session refused", request_id=action.request_id, reason=action.reason)
@@ -791,7 +804,7 @@ class Driver:
                 if state.aux_slot >= 0:
                     self._aux_free.append(state.aux_slot)
                 state.handle.outcome.set_exception(error)
-                _finish(state.handle, state.handle.released)
+                self._finish(state.handle, state.handle.released)
             return
         handle = self._recvs.pop(action.request_id, None)
         if handle is not None:
@@ -799,7 +812,7 @@ class Driver:
             if handle.aux_slot >= 0:
                 self._aux_free.append(handle.aux_slot)
             handle.outcome.set_exception(error)
-            _finish(handle, handle.retired)
+            self._finish(handle, handle.retired)
 
     def _verify_canaries(self, blocks: tuple[int, ...], rid: int) -> None:
         broken = self.canaries.check(blocks)  # type: ignore[union-attr]
@@ -820,6 +833,20 @@ class Driver:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _finish(self, handle: SendHandle | ReceiveHandle, done: Any) -> None:
+        """The handle's last word: its event, then its ``on_done`` (the embedding server's hand-back)."""
+        done.set()
+        if handle.on_done is not None:
+            self._callback(handle.on_done, handle, "on_done")
+
+    def _callback(self, fn: Callable[[Any], None], handle: SendHandle | ReceiveHandle, name: str) -> None:
+        """Rule 10: a caller's callback, on this thread; what it raises is counted and recorded, never ours."""
+        try:
+            fn(handle)
+        except Exception as exc:  # noqa: BLE001 - the caller's bug: kvown's state is already settled
+            self.stats["callback_errors"] += 1
+            self.recorder.record("callback_error", handle.request_id, callback=name, error=repr(exc))
+
     def _take_aux(self) -> int:
         return self._aux_free.pop() if self._aux_free else -1
 
@@ -830,13 +857,6 @@ class Driver:
     def read_aux(self, handle: ReceiveHandle) -> bytes:
         """The aux payload of a landed request. Called: by the consumer after ``landed`` (any thread)."""
         return bytes(self._aux_view(handle.aux_slot).numpy())
-
-
-def _finish(handle: SendHandle | ReceiveHandle, done: Any) -> None:
-    """The handle's last word: its event, then its ``on_done`` (the embedding server's hand-back)."""
-    done.set()
-    if handle.on_done is not None:
-        handle.on_done(handle)
 
 
 def _invariant_fail_stop(exc: InvariantViolation) -> FailStop:

@@ -80,13 +80,18 @@ class Engine:
     def fatal(self) -> FailStop | None:
         return self.driver.fatal
 
+    def on_engine_thread(self) -> bool:
+        """True when called from this engine's thread (a handle callback): it must not wait for itself."""
+        return threading.get_ident() == self.thread.ident
+
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, command: Command) -> None:
         """Queue a command and wake the loop. Called: by API facades, any thread."""
         self.driver.submit(command)
-        self._wake.set()
+        if not self._wake.is_set():  # a spinning engine leaves it set: no Condition round per command
+            self._wake.set()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop (orderly shutdown). Called: once, any thread but the engine's."""
@@ -97,6 +102,8 @@ class Engine:
 
     def call(self, fn: Callable[[Driver], Any], timeout_s: float = 10.0) -> Any:
         """Run ``fn(driver)`` on the engine thread and return its result (tests, diagnostics, faults)."""
+        if self.on_engine_thread():
+            return fn(self.driver)  # already there: waiting for our own next step would never end
         future: Future = Future()
         self.submit(Call(fn, future))
         return future.result(timeout_s)
@@ -113,10 +120,13 @@ class Engine:
 
     def fail_stopping(self) -> FailStop | None:
         """The fail-stop this rank latched or is due to latch now, if any. Called: any thread."""
-        if self.driver.fatal is not None:
-            return self.driver.fatal
-        with self.driver.lock:
-            return self.driver.check_fatal(self.clock())
+        driver = self.driver
+        if driver.fatal is not None:
+            return driver.fatal
+        if self.clock() < driver.earliest_deadline_ns:  # nothing can be due yet (driver rule 7): no lock
+            return None
+        with driver.lock:
+            return driver.check_fatal(self.clock())
 
     def statistics(self) -> Statistics:
         return self.driver.statistics()

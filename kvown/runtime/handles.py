@@ -239,10 +239,11 @@ class ReceiveHandle:
     """Returned by ``Receiver.receive``. ``landed``: the KV may be read; ``retired``: blocks are back."""
 
     __slots__ = ("request_id", "blocks", "aux_slot", "outcome", "landed", "retired", "opened_ns", "landed_ns",
-                 "cancelled_ns", "released_ns", "retired_ns", "closing", "on_done")
+                 "cancelled_ns", "released_ns", "retired_ns", "closing", "on_done", "on_landed")
 
     def __init__(self, request_id: int, blocks: tuple[int, ...] = (), aux_slot: int = -1, opened_ns: int = 0,
-                 on_done: Callable[[Any], None] | None = None) -> None:
+                 on_done: Callable[[Any], None] | None = None,
+                 on_landed: Callable[[Any], None] | None = None) -> None:
         self.request_id = request_id
         self.blocks = blocks
         self.aux_slot = aux_slot
@@ -256,6 +257,7 @@ class ReceiveHandle:
         self.retired_ns = 0
         self.closing = False  # written by the API only: release or cancel was asked (no local copy after)
         self.on_done = on_done  # called once on the engine thread after ``retired``
+        self.on_landed = on_landed  # called once on the engine thread after ``landed``
 
     @property
     def phase(self) -> ReceivePhase:
