@@ -3,7 +3,7 @@
 Rules:
   1. A wait for a handle's event (landed, retired, released) that takes longer than ``slow_s`` makes
      its session *slow*: recorded with its workload, request id, what it waited for and how long,
-     then the wait goes on. Slow sessions are left out of every latency percentile and reported on
+     then the wait goes on (a callback loop, which waits for no one session, ``note``s each lifetime). Slow sessions are left out of every latency percentile and reported on
      their own (``SlowSessions.report``); throughput figures include them (they are wall-clock).
   2. A wait for ``landed`` also ends when the session retired without landing (kvown's own deadline
      timed it out and it retired with proof): that session is slow, not an error.
@@ -53,6 +53,14 @@ class SlowSessions:
         if not done:
             raise SlowSessionError(workload, request_id, what, waited_s)
         return event.is_set()
+
+    def note(self, workload: str, request_id: int, what: str, took_s: float) -> None:
+        """A loop that waits for no single session (callbacks) reports each session's lifetime here after
+        the fact: one longer than ``slow_s`` makes it slow (rule 1)."""
+        if took_s > self.slow_s:
+            self.waits.append({"workload": workload, "request_id": request_id, "waited_for": what,
+                               "waited_s": round(took_s, 3), "happened": True})
+            self.ids.add(request_id)
 
     def is_slow(self, request_id: int) -> bool:
         return request_id in self.ids

@@ -66,6 +66,8 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
     for row in (world.get("w1") or {}).get("throughput", []):
         if row["size"] in (MIB, 4 * MIB, 16 * MIB):
             m[f"w1_throughput_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio"], 3)
+            if "ratio_threads" in row:  # the consumer thread that waits per session, beside the headline
+                m[f"w1_threads_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio_threads"], 3)
     w1 = world.get("w1") or {}
     if "release_to_retired_over_rtt" in w1:
         m["release_to_retired_over_rtt"] = w1["release_to_retired_over_rtt"]

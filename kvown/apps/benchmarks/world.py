@@ -6,7 +6,8 @@ seeds, the same pools throughout. Every figure is taken on rank 0's monotonic cl
 
 Workloads (one function each: ``run_w1``, ``run_w2``, ``run_w3``, after ``yardsticks``):
   W1  sessions of 64 KiB .. 16 MiB, ``--window`` in flight, kvown vs B0, alternating repetitions:
-      throughput ratio; then release -> retired, one session at a time.
+      throughput ratio with an event-driven consumer (callbacks on the engine thread: the headline) and
+      with a consumer thread that waits per session; then release -> retired, one session at a time.
   W2  cancel rates 0/10/50/90 %, 64 KiB .. 4 MiB, one session at a time, context-first, cancelled
       after a seeded delay in [0, WRITE(S)]: cancel -> retired vs ``3 RTT + WRITE`` (p50) and
       ``10 RTT + WRITE`` (p99); violations (a canary changed after the slot was given back) for
@@ -34,6 +35,7 @@ import collections  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -72,8 +74,10 @@ class Rids:
 # ---------------------------------------------------------------------------------------- kvown
 
 
-def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
-                  slow: SlowSessions, bar: Any = None) -> dict[str, Any]:
+def kv_throughput_threads(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
+                          slow: SlowSessions) -> dict[str, Any]:
+    """W1 with a consumer thread that waits for each session's events (landed, released, retired) and
+    then acts: the second figure. Every wait wakes a thread that then needs its process's GIL."""
     from kvown import Outcome
 
     soft_barrier(comm, deadline)
@@ -112,20 +116,103 @@ def kv_throughput(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, windo
                 h = rel.popleft()
                 bad += h.outcome.result(1) is not Outcome.COMPLETED
                 done += 1
-                if bar is not None:
-                    bar.update(1)
             if rel and not live and (not todo or len(rel) >= window):
                 h = rel.popleft()
                 slow.wait("w1", h.request_id, "retired", h.retired)
                 bad += h.outcome.result(1) is not Outcome.COMPLETED
                 done += 1
-                if bar is not None:
-                    bar.update(1)
             if time.monotonic() > deadline:
                 raise BenchError("kvown throughput past the run deadline")
     ns = time.perf_counter_ns() - t0
     soft_barrier(comm, deadline)
     return {"ns": ns, "not_completed": bad, "dst_runs": runs, "slow_sessions": slow.count("w1")}
+
+
+class CallbackLoop:
+    """One rank's share of ``kv_throughput_callbacks``. Its callbacks run on the engine thread and never
+    raise: what they catch ends the loop, and ``wait`` raises it in the main thread."""
+
+    def __init__(self, rt: Any, rank: int, rids: list[int], nb: int, window: int) -> None:
+        self.rt, self.rank, self.nb, self.window = rt, rank, nb, window
+        self.finished: list[Any] = []  # handles, in the order they finished
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.todo = iter(enumerate(rids))
+        self.left = len(rids) if rank in (RX, 1) else 0  # W1 is rank 0 and writer 1; the others wait
+        if not self.left:
+            self.done.set()
+        self.bad = self.runs = 0
+
+    def start(self) -> None:
+        for _ in range(min(self.window, self.left)):
+            self._open_next()
+
+    def _open_next(self) -> None:
+        item = next(self.todo, None)
+        if item is None:
+            return
+        i, rid = item
+        if self.rank == RX:
+            self.rt.receiver.submit_receive(rid, self.nb, (1,), on_landed=self._landed, on_done=self._finished)
+        else:
+            slot = i % self.window
+            self.rt.sender.send(rid, range(slot * self.nb, (slot + 1) * self.nb), on_done=self._finished)
+
+    def _landed(self, h: Any) -> None:
+        try:
+            self.rt.receiver.release(h.request_id)
+        except Exception as exc:  # noqa: BLE001 - handed to the main thread
+            self._fail(exc)
+
+    def _finished(self, h: Any) -> None:
+        try:
+            from kvown import Outcome
+
+            self.bad += h.result() is not Outcome.COMPLETED
+            self.runs += runs_of(h.blocks) if self.rank == RX else 0
+            self.finished.append(h)
+            self.left -= 1
+            if self.left:
+                self._open_next()
+            else:
+                self.done.set()
+        except Exception as exc:  # noqa: BLE001 - handed to the main thread
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = self.error or exc
+        self.done.set()
+
+    def wait(self, slow: SlowSessions, deadline: float) -> None:
+        """Bounded: a loop that stops finishing sessions for ``slow.give_up_s`` raises (slow.py rule 3)."""
+        seen, since = -1, time.monotonic()
+        while not self.done.wait(0.05):
+            now = time.monotonic()
+            if len(self.finished) != seen:
+                seen, since = len(self.finished), now
+            if now - since > slow.give_up_s or now > deadline:
+                raise BenchError(f"W1 callbacks: no session finished for {now - since:.1f} s")
+        if self.error is not None:
+            raise BenchError(f"W1 callbacks: {self.error!r}") from self.error
+        for h in self.finished:  # a session that took longer than slow_s is slow (slow.py rule 1)
+            end_ns = h.retired_ns if self.rank == RX else h.released_ns
+            slow.note("w1", h.request_id, "retired" if self.rank == RX else "released", (end_ns - h.opened_ns) / 1e9)
+
+
+def kv_throughput_callbacks(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
+                            slow: SlowSessions) -> dict[str, Any]:
+    """W1 with an event-driven consumer (the headline figure): each side opens its next session from the
+    last one's callback on the engine thread (the receiver releases from ``on_landed`` and receives again
+    from ``on_done``; the writer sends again from ``on_done``), as a server's event loop does. Like the
+    raw baseline, one thread per process does the work; nothing waits per session."""
+    soft_barrier(comm, deadline)
+    loop = CallbackLoop(rt, rank, rids, nb, window)
+    t0 = time.perf_counter_ns()
+    loop.start()
+    loop.wait(slow, deadline)
+    ns = time.perf_counter_ns() - t0
+    soft_barrier(comm, deadline)
+    return {"ns": ns, "not_completed": loop.bad, "dst_runs": loop.runs, "slow_sessions": slow.count("w1")}
 
 
 def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers: tuple[int, ...],
@@ -381,23 +468,21 @@ def run_w1(b: Bench) -> None:
         for s in b.w1_sizes:
             nb = s // b.block
             n = int(min(1000, max(32, args.w1_bytes // s)))
-            row: dict[str, Any] = {"size": s, "sessions": n, "raw_gbps": [], "kvown_gbps": [], "not_completed": 0}
-            kv_throughput(rt, comm, rank, b.rids.take(min(n, 16)), nb, window, deadline, b.slow)  # warm-up
+            row: dict[str, Any] = {"size": s, "sessions": n, "raw_gbps": [], "kvown_gbps": [],
+                                   "kvown_threads_gbps": [], "not_completed": 0}
+            for loop in LOOPS.values():  # warm-up
+                loop(rt, comm, rank, b.rids.take(min(n, 16)), nb, window, deadline, b.slow)
             for _ in range(args.reps):
                 row["raw_gbps"].append(n * s / raw.throughput(s, n, window, deadline))
-                k = kv_throughput(rt, comm, rank, b.rids.take(n), nb, window, deadline, b.slow)
-                b.dump_if_slow()
-                row["kvown_gbps"].append(n * s / k["ns"])  # wall clock: slow sessions included
-                row["not_completed"] += k["not_completed"]
-                row["dst_runs_per_session"] = k["dst_runs"] / n
+                for key, loop in LOOPS.items():
+                    k = loop(rt, comm, rank, b.rids.take(n), nb, window, deadline, b.slow)
+                    b.dump_if_slow()
+                    row[key].append(n * s / k["ns"])  # wall clock: slow sessions included
+                    row["not_completed"] += k["not_completed"]
+                    row["dst_runs_per_session"] = k["dst_runs"] / n
                 bar.update(1)
             if rank == RX:
-                row["raw_gbps_median"] = float(np.median(row["raw_gbps"]))
-                row["kvown_gbps_median"] = float(np.median(row["kvown_gbps"]))
-                row["ratio_of_medians"] = row["kvown_gbps_median"] / row["raw_gbps_median"]
-                # the headline: the median of each repetition's kvown / raw, measured back to back, so a
-                # machine whose load drifts between repetitions moves both sides of each ratio
-                row["ratio"] = float(np.median([k / r for k, r in zip(row["kvown_gbps"], row["raw_gbps"])]))
+                row.update(_w1_ratios(row))
             rows.append(row)
     # release -> retired, one session at a time (RL_complete), 64 KiB
     plan = [(False, 0)] * (args.w2_sessions + args.warmup)
@@ -411,6 +496,21 @@ def run_w1(b: Bench) -> None:
         rtt_us = b.result["notif_rtt"]["p50_us"]
         w1["release_to_retired_over_rtt"] = round(w1["release_to_retired"]["p50_us"] / rtt_us, 3)
     b.result["w1"] = comm.bcast(w1 if rank == RX else None, root=RX)
+
+
+# W1's consumers: the headline first (row keys; ``ratio`` is the first one's)
+LOOPS = {"kvown_gbps": kv_throughput_callbacks, "kvown_threads_gbps": kv_throughput_threads}
+
+
+def _w1_ratios(row: dict[str, Any]) -> dict[str, float]:
+    """The headline: the median of each repetition's kvown / raw, measured back to back, so a machine whose
+    load drifts between repetitions moves both sides of each ratio. The thread consumer's beside it."""
+    out = {"raw_gbps_median": float(np.median(row["raw_gbps"]))}
+    for key, name in (("kvown_gbps", "ratio"), ("kvown_threads_gbps", "ratio_threads")):
+        out[f"{key}_median"] = float(np.median(row[key]))
+        out[name] = float(np.median([k / r for k, r in zip(row[key], row["raw_gbps"])]))
+    out["ratio_of_medians"] = out["kvown_gbps_median"] / out["raw_gbps_median"]
+    return out
 
 
 def run_w2(b: Bench) -> None:
@@ -533,10 +633,11 @@ def report(r: dict[str, Any]) -> None:
     print(f"yardsticks: notification RTT p50 {n['p50_us']} us (p99 {n['p99_us']}); raw WRITE p50 "
           + ", ".join(f"{size_name(int(s))} {v['p50_us']} us" for s, v in r["raw_write"].items()))
     if "w1" in r:
-        print("W1 happy path (window %d): session  raw GB/s  kvown GB/s  ratio  runs/session" % r["window"])
+        print("W1 happy path (window %d): session  raw GB/s  kvown GB/s  ratio  | consumer threads: GB/s  ratio"
+              % r["window"])
         for row in r["w1"]["throughput"]:
             print(f"  {size_name(row['size']):>8} {row['raw_gbps_median']:9.2f} {row['kvown_gbps_median']:10.2f} "
-                  f"{row['ratio']:6.2f}  {row.get('dst_runs_per_session', 0):.2f}")
+                  f"{row['ratio']:6.2f}  | {row['kvown_threads_gbps_median']:22.2f} {row['ratio_threads']:6.2f}")
         rl = r["w1"]["release_to_retired"]
         print(f"  release -> retired p50 {rl['p50_us']} us = {r['w1']['release_to_retired_over_rtt']} x RTT; "
               f"1 block publish -> landed p50 {r['w1'].get('publish_to_landed', {}).get('p50_us')} us")
