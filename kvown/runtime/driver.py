@@ -6,13 +6,13 @@ API handles, aux slots, canaries, counters. Engine and simulator run the same ``
 Rules:
   1. ``step(now_ns)`` turns all that arrived into core events, running each batch of actions before the next;
      it never blocks or sleeps, and reads the injected ``clock`` only to stamp handles (commands rule 4).
-  2. Each action is one adapter call or handle update; ``SendControl`` queues: one batch frame per peer.
+  2. One adapter call or handle update per action; ``SendControl`` queues a frame per peer (commands' go first).
   3. No stream keeps a hole: a frame whose send raised is resent as is (CONTROL_LOST: ``control_retry_s``).
   3a. A ``PostWrite`` with a ``result`` posts it as a carried frame: the WRITE's notification, unordered.
   4. A WRITE whose poll answered IN_DOUBT, or whose post raised, is never released: polled until DONE.
   5. Bad peer input is dropped and counted; it changes no core state.
   6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
-  6a. A ``LocalProtocolError`` from a core inside ``step`` is our bug: the INVARIANT fail-stop of rule 6.
+     A core's ``LocalProtocolError`` inside ``step`` is our bug: the INVARIANT fail-stop (6a).
   7. Other threads call ``submit`` and pure readers only (``check_fatal``, ``next_deadline_ns``, ``view``,
      ``statistics``, ``earliest_deadline_ns``); cores are touched under ``lock``, held per core event.
   7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a watermark under
@@ -320,6 +320,8 @@ class Driver:
         self._now_ns = now_ns
         try:
             moved = self._take_commands() if self.inbox else False
+            if self._outbox:  # rule 2: a command's messages (a publication, a cancel) do not wait for the
+                self._flush_outbox()  # frames this step reads, nor for the WRITEs those may post
             moved |= self._take_frames()
             if self._writes or self._unreleased:
                 moved |= self._poll_writes()

@@ -270,3 +270,29 @@ def test_from_a_callback_receive_refuses_to_wait_and_submit_receive_goes_on() ->
     finally:
         for rt in world.values():
             rt.close()
+
+
+# ---- a command's frame leaves before the step reads arrivals (driver rule 2) -------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_publication_leaves_before_the_step_reads_what_arrived(no_real_clock) -> None:
+    """The receiver's step holds a new receive (a command) and a landed WRITE's report (an arrival): the
+    new REQUEST_DATA is sent first, so it never waits behind the arrivals' work (or WRITEs they post)."""
+    p = Pair()
+    first, second = make_request_id(8, 1), make_request_id(8, 2)
+    t1 = p.rx.submit_receive(first, 1, (TX,))
+    p.drivers[RX].step(p.now)  # REQUEST_DATA(first) out
+    send = p.tx.send(first, (1,))
+    for _ in range(20):  # only the sender moves: its WRITE and the carried report reach the fabric
+        p.drivers[TX].step(p.now)
+        p.now += 10
+    assert send.phase is not SendPhase.OPEN and not t1.future.result(0).landed.is_set()
+    p.rx.submit_receive(second, 1, (TX,))
+    recorder = p.drivers[RX].recorder
+    mark = recorder.recorded
+    p.drivers[RX].step(p.now)  # one step: the command and the arrival together
+    _, events = recorder.events_since(mark)
+    kinds = [(kind, rid) for _, kind, rid, _ in events if kind in ("send", "recv_carried")]
+    assert kinds == [("send", second), ("recv_carried", first)], kinds
+    assert t1.future.result(0).landed.is_set()
