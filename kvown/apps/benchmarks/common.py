@@ -241,6 +241,19 @@ def cdf(ax: Any, samples_us: Iterable[float], label: str, **kw: Any) -> None:
         ax.plot(us, np.arange(1, us.size + 1) / us.size, label=label, **kw)
 
 
+def w1_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """W1's kvown / raw ratios per size: the event-driven consumer (the headline) beside the thread one."""
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [row["ratio"] for row in rows], 0.4, color="tab:blue", label="callbacks (headline)")
+    if all("ratio_threads" in row for row in rows):
+        ax.bar(x + 0.2, [row["ratio_threads"] for row in rows], 0.4, color="tab:gray", label="waiting thread")
+    ax.axhline(0.95, color="tab:red", ls="--", lw=1, label="target 0.95 (>= 4 MiB)")
+    ax.axhline(0.8, color="tab:orange", ls=":", lw=1, label="target 0.8 (1 MiB)")
+    ax.set_xticks(x, [size_name(row["size"]) for row in rows])
+    ax.set_ylabel("kvown / raw NIXL throughput")
+    ax.legend(fontsize=7)
+
+
 def save(fig: Any, path: str | os.PathLike[str]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -29,7 +29,7 @@ from typing import Any
 
 import kvown
 from kvown.apps.benchmarks.common import MIB, cdf, environment, plot_figure, progress, save, size_name
-from kvown.apps.benchmarks.common import ucx_transports, write_json
+from kvown.apps.benchmarks.common import ucx_transports, w1_bars, write_json
 
 TARGETS = {  # metric -> (comparison, bound, what the issue asks)
     "w1_throughput_ratio_vs_raw_1mib": (">=", 0.8, "W1 >= 0.8x raw at 1 MiB"),
@@ -186,12 +186,7 @@ def plot(r: dict[str, Any], path: str) -> None:
     rows = (world.get("w1") or {}).get("throughput", [])
     ax = axes[0]
     if rows:
-        x = np.arange(len(rows))
-        ax.bar(x, [row["ratio"] for row in rows], color="tab:blue")
-        ax.axhline(0.95, color="tab:red", ls="--", lw=1, label="0.95")
-        ax.axhline(0.8, color="tab:orange", ls=":", lw=1, label="0.8 (1 MiB)")
-        ax.set_xticks(x, [size_name(row["size"]) for row in rows])
-        ax.legend(fontsize=7)
+        w1_bars(ax, rows)
     ax.set_title("W1: kvown / raw NIXL throughput")
     ax = axes[1]
     for p in (world.get("w2") or {}).get("points", []):
