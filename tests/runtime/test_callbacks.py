@@ -250,6 +250,7 @@ def test_from_a_callback_receive_refuses_to_wait_and_submit_receive_goes_on() ->
         except LocalProtocolError as exc:
             seen["field"] = exc.field
         seen["thread"] = threading.current_thread().name
+        seen["inline"] = rx.engine.call(lambda driver: driver.rank)  # runs here: no wait for our own step
         seen["ticket"] = rx.receiver.submit_receive(second, 1, (0,), on_done=lambda h2: chained.set())
         rx.receiver.release(h.request_id)
 
@@ -257,7 +258,7 @@ def test_from_a_callback_receive_refuses_to_wait_and_submit_receive_goes_on() ->
         h = rx.receiver.receive(first, 1, (0,), on_landed=on_landed)
         tx.sender.send(first, (1,))
         assert h.retired.wait(10)
-        assert seen["field"] == "receive" and seen["thread"].startswith("kvown-engine")
+        assert seen["field"] == "receive" and seen["thread"].startswith("kvown-engine") and seen["inline"] == 1
         h2 = seen["ticket"].future.result(10)
         tx.sender.send(second, (2,))
         assert h2.landed.wait(10)
