@@ -730,6 +730,9 @@ def _core_seeds() -> dict[str, bytes]:
         _body(0, LOCAL, 1, SessionQuiesced(0, rid)),
         _body(0, LOCAL, 0, KvResult(0, rid, 0, True, ResultStatus.FAILED, 0)),
     ])
+    # a writer's stream carrying a result in the other writer's name: refused, and nothing may change first
+    core["result_in_another_writers_name"] = join_frames([
+        _body(0, LOCAL, 0, KvResult(2, rid, 0, True, ResultStatus.SUCCESS, 4096))])
     return core
 
 
