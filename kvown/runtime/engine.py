@@ -14,6 +14,8 @@ Rules:
   3. Without a NIXL progress thread nothing wakes us for an incoming notification, so after progress
      the loop keeps polling (``os.sched_yield`` between steps) for ``spin_s``, then naps
      ``idle_sleep_s`` at a time until a command arrives or something moves.
+  4. ``busy_ns`` adds up the steps that moved something (their work, not the polling: a spinning engine
+     is always on a CPU); it reuses the clock reads the loop makes anyway.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Callable
 
 from kvown.core.actions import FailStop, FatalReason
@@ -51,6 +54,7 @@ class Engine:
         self._fail_stop = fail_stop
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.busy_ns = 0  # wall time inside steps that moved something (engine thread writes, others read)
         self.thread = threading.Thread(target=self._run, name=f"kvown-engine-r{driver.rank}", daemon=True)
 
     # ---- any thread ---------------------------------------------------------------------------
@@ -129,7 +133,18 @@ class Engine:
             return driver.check_fatal(self.clock())
 
     def statistics(self) -> Statistics:
-        return self.driver.statistics()
+        return replace(self.driver.statistics(), engine_cpu_ns=self.cpu_ns(), engine_busy_ns=self.busy_ns)
+
+    def cpu_ns(self) -> int | None:
+        """CPU time the engine thread has used so far (its own clock, not the process's), or None while it
+        is not running or where the OS has no per-thread clock. Called: any thread; one system call."""
+        ident = self.thread.ident
+        if ident is None or not self.thread.is_alive():
+            return None
+        try:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(ident))
+        except (AttributeError, OSError):  # no pthread_getcpuclockid here, or the thread just ended
+            return None
 
     # ---- the loop (engine thread) ---------------------------------------------------------------
 
@@ -150,6 +165,7 @@ class Engine:
                     return self._park()
                 if moved:
                     last_progress_ns = self.clock()
+                    self.busy_ns += last_progress_ns - now_ns
                 elif not nap_s or self.clock() - last_progress_ns < spin_ns:
                     os.sched_yield()
                 else:

@@ -12,6 +12,8 @@ Metrics (all labelled with ``rank``):
   kvown_fail_stop_deadline_seconds      seconds until the nearest fail-stop deadline (absent if none)
   kvown_fatal                           1 once this rank latched a fail-stop
   kvown_events_total{name}              engine counters (frames rejected, bytes written, outcomes...)
+  kvown_engine_busy_seconds_total       wall time of engine steps that moved something (its work)
+  kvown_engine_cpu_seconds_total        CPU the engine thread used, polling included (absent if not running)
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ class EngineCollector:
         for name, n in sorted(stats.counters.items()):
             events.add_metric([rank, name], n)
         yield events
+        busy = CounterMetricFamily("kvown_engine_busy_seconds", "Wall time of engine steps that moved",
+                                   labels=["rank"])
+        busy.add_metric([rank], stats.engine_busy_ns / 1e9)
+        yield busy
+        if stats.engine_cpu_ns is not None:
+            cpu = CounterMetricFamily("kvown_engine_cpu_seconds", "CPU the engine thread used",
+                                      labels=["rank"])
+            cpu.add_metric([rank], stats.engine_cpu_ns / 1e9)
+            yield cpu
 
 
 def _gauge(name: str, doc: str, rank: str, value: float) -> GaugeMetricFamily:

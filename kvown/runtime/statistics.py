@@ -92,6 +92,8 @@ class Statistics(_Plain):
     sender: RoleStatistics | None = None
     receiver: ReceiverStatistics | None = None
     faults: Mapping[str, int] = field(default_factory=lambda: _EMPTY)  # injected faults (tests and the demo's --fault)
+    engine_cpu_ns: int | None = None  # the engine thread's CPU so far (None: not running / no thread clock)
+    engine_busy_ns: int = 0  # wall time in engine steps that moved something: its work, not its polling
 
     @property
     def bytes_written(self) -> int:

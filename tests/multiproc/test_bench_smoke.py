@@ -18,7 +18,7 @@ REQUIRED = (
     "w1_throughput_ratio_vs_raw_1mib", "w1_throughput_ratio_vs_raw_4mib", "w2_retire_p50_over_bound",
     "w2_retire_p99_over_bound", "w2_violations_kvown", "w2_violations_raw", "engine_cpu_us_per_session",
     "w5_failstop_s", "fence_bytes_per_id", "scale_cost_ratio", "kvown_cpu_us_per_session_sender",
-    "kvown_cpu_us_per_session_receiver", "build",
+    "kvown_cpu_us_per_session_receiver", "build", "w1_writer_engine_busy_1mib",
 )
 
 

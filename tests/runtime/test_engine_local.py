@@ -144,6 +144,60 @@ def test_prometheus_export_reads_the_live_state(pair):
 
 
 @pytest.mark.timeout(60)
+def test_engine_cpu_is_the_engine_threads_own_clock(pair):
+    """``engine_cpu_ns`` counts the engine thread alone: CPU burnt on another thread of the process is
+    not in it (a process clock would be), work the engine does is, and a stopped engine reports None."""
+    from prometheus_client import generate_latest
+
+    from kvown.runtime.metrics import register
+
+    tx, rx, _ = pair
+    h = rx.receiver.receive(make_request_id(9, 11), 2, (0,))
+    tx.sender.send(make_request_id(9, 11), (1, 2))
+    assert h.landed.wait(5)
+    time.sleep(0.05)  # past spin_s: the engine naps
+    before = tx.statistics().engine_cpu_ns
+    assert before is not None and before > 0
+    process_before_ns = time.process_time_ns()
+    burn_end_ns = time.thread_time_ns() + 300_000_000
+    while time.thread_time_ns() < burn_end_ns:  # bounded: 0.3 s of this thread's CPU
+        pass
+    assert time.process_time_ns() - process_before_ns >= 300_000_000  # the mutant: a process clock sees it
+    assert tx.statistics().engine_cpu_ns - before < 150_000_000
+    text = generate_latest(register(tx)).decode()
+    assert 'kvown_engine_cpu_seconds_total{rank="0"}' in text
+    assert 'kvown_engine_busy_seconds_total{rank="0"}' in text
+    tx.engine.stop()
+    assert tx.statistics().engine_cpu_ns is None
+
+
+@pytest.mark.timeout(60)
+def test_engine_busy_counts_the_work_not_the_polling():
+    """``engine_busy_ns`` grows with a session and stays put while the engine only polls (spin_s=0.1 keeps
+    it polling, on a CPU, for 0.1 s after the session: counting every step would count that)."""
+    world = local_world({0: {"sender"}, 1: {"receiver"}}, layout=LAYOUT, config=TransferConfig(spin_s=0.1))
+    try:
+        tx, rx = world[0], world[1]
+        rid = make_request_id(9, 12)
+        busy0 = tx.statistics().engine_busy_ns
+        h = rx.receiver.receive(rid, 2, (0,))
+        tx.sender.send(rid, (1, 2))
+        assert h.landed.wait(5)
+        rx.receiver.release(rid)
+        assert h.retired.wait(5)
+        idle = tx.statistics()
+        assert idle.engine_busy_ns > busy0
+        time.sleep(0.1)
+        later = tx.statistics()
+        assert later.engine_cpu_ns - idle.engine_cpu_ns > 30_000_000  # it polled on a CPU meanwhile
+        assert later.engine_busy_ns - idle.engine_busy_ns < 10_000_000
+    finally:
+        for rt in world.values():
+            rt.watchdog.stop()
+            rt.engine.stop()
+
+
+@pytest.mark.timeout(60)
 def test_a_pending_local_copy_blocks_retirement_until_its_event(pair):
     tx, rx, _ = pair
     rid = make_request_id(9, 6)

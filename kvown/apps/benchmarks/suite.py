@@ -68,6 +68,8 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
             m[f"w1_throughput_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio"], 3)
             if "ratio_threads" in row:  # the consumer thread that waits per session, beside the headline
                 m[f"w1_threads_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio_threads"], 3)
+            if "writer_busy_median" in row:  # near 1: the writer's engine is W1's bottleneck
+                m[f"w1_writer_engine_busy_{row['size'] // MIB}mib"] = round(row["writer_busy_median"], 3)
     w1 = world.get("w1") or {}
     if "release_to_retired_over_rtt" in w1:
         m["release_to_retired_over_rtt"] = w1["release_to_retired_over_rtt"]

@@ -74,6 +74,19 @@ class Rids:
 # ---------------------------------------------------------------------------------------- kvown
 
 
+def engine_clocks(rt: Any) -> tuple[int, int | None]:
+    """The engine thread's work and CPU so far (``Statistics.engine_busy_ns`` / ``engine_cpu_ns``). W1
+    reports both per session, so a reader sees which side's engine is the bottleneck (its work fills the
+    loop) and what kvown adds to raw's session; CPU alone cannot say it: a polling engine is always on one."""
+    stats = rt.statistics()
+    return stats.engine_busy_ns, stats.engine_cpu_ns
+
+
+def _clocks_used(before: tuple[int, int | None], rt: Any) -> tuple[int, int | None]:
+    busy, cpu = engine_clocks(rt)
+    return busy - before[0], None if cpu is None or before[1] is None else cpu - before[1]
+
+
 def kv_throughput_threads(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, window: int, deadline: float,
                           slow: SlowSessions) -> dict[str, Any]:
     """W1 with a consumer thread that waits for each session's events (landed, released, retired) and
@@ -81,6 +94,7 @@ def kv_throughput_threads(rt: Any, comm: Any, rank: int, rids: list[int], nb: in
     from kvown import Outcome
 
     soft_barrier(comm, deadline)
+    clocks0 = engine_clocks(rt)
     t0 = time.perf_counter_ns()
     bad, runs = 0, 0
     if rank == 1:
@@ -124,8 +138,10 @@ def kv_throughput_threads(rt: Any, comm: Any, rank: int, rids: list[int], nb: in
             if time.monotonic() > deadline:
                 raise BenchError("kvown throughput past the run deadline")
     ns = time.perf_counter_ns() - t0
+    clocks = _clocks_used(clocks0, rt)
     soft_barrier(comm, deadline)
-    return {"ns": ns, "not_completed": bad, "dst_runs": runs, "slow_sessions": slow.count("w1")}
+    return {"ns": ns, "engine": clocks, "not_completed": bad, "dst_runs": runs,
+            "slow_sessions": slow.count("w1")}
 
 
 class CallbackLoop:
@@ -207,12 +223,15 @@ def kv_throughput_callbacks(rt: Any, comm: Any, rank: int, rids: list[int], nb: 
     raw baseline, one thread per process does the work; nothing waits per session."""
     soft_barrier(comm, deadline)
     loop = CallbackLoop(rt, rank, rids, nb, window)
+    clocks0 = engine_clocks(rt)
     t0 = time.perf_counter_ns()
     loop.start()
     loop.wait(slow, deadline)
     ns = time.perf_counter_ns() - t0
+    clocks = _clocks_used(clocks0, rt)
     soft_barrier(comm, deadline)
-    return {"ns": ns, "not_completed": loop.bad, "dst_runs": loop.runs, "slow_sessions": slow.count("w1")}
+    return {"ns": ns, "engine": clocks, "not_completed": loop.bad, "dst_runs": loop.runs,
+            "slow_sessions": slow.count("w1")}
 
 
 def kv_sessions(rt: Any, comm: Any, rank: int, rids: list[int], nb: int, writers: tuple[int, ...],
@@ -481,6 +500,7 @@ def run_w1(b: Bench) -> None:
                     row[key].append(n * s / k["ns"])  # wall clock: slow sessions included
                     row["not_completed"] += k["not_completed"]
                     row["dst_runs_per_session"] = k["dst_runs"] / n
+                    _note_engine(row, key, comm.gather((*k["engine"], k["ns"]), root=RX), n)
                 bar.update(1)
             if rank == RX:
                 row.update(_w1_ratios(row))
@@ -503,6 +523,20 @@ def run_w1(b: Bench) -> None:
 LOOPS = {"kvown_gbps": kv_throughput_callbacks, "kvown_threads_gbps": kv_throughput_threads}
 
 
+def _note_engine(row: dict[str, Any], key: str, per_rank: list[tuple[int, int | None, int]] | None,
+                 n: int) -> None:
+    """Rank 0: per session, each engine's work (steps that moved) and CPU (polling included) over one
+    loop, and each side's busy share: its work over the loop's wall clock (near 1: the bottleneck)."""
+    if per_rank is None:
+        return
+    out = row.setdefault("engine", {}).setdefault(key, {})
+    for side, (busy_ns, cpu_ns, loop_ns) in (("writer", per_rank[1]), ("receiver", per_rank[RX])):
+        out.setdefault(f"{side}_work_us", []).append(round(busy_ns / n / 1e3, 1))
+        out.setdefault(f"{side}_busy", []).append(round(busy_ns / loop_ns, 3))
+        if cpu_ns is not None:
+            out.setdefault(f"{side}_cpu_us", []).append(round(cpu_ns / n / 1e3, 1))
+
+
 def _w1_ratios(row: dict[str, Any]) -> dict[str, float]:
     """The headline: the median of each repetition's kvown / raw, measured back to back, so a machine whose
     load drifts between repetitions moves both sides of each ratio. The thread consumer's beside it."""
@@ -511,6 +545,9 @@ def _w1_ratios(row: dict[str, Any]) -> dict[str, float]:
         out[f"{key}_median"] = float(np.median(row[key]))
         out[name] = float(np.median([k / r for k, r in zip(row[key], row["raw_gbps"])]))
     out["ratio_of_medians"] = out["kvown_gbps_median"] / out["raw_gbps_median"]
+    out["raw_us_per_session"] = round(row["size"] / out["raw_gbps_median"] / 1e3, 1)
+    for name, values in row.get("engine", {}).get("kvown_gbps", {}).items():  # the headline consumer's
+        out[f"{name}_median"] = float(np.median(values))
     return out
 
 
@@ -639,6 +676,11 @@ def report(r: dict[str, Any]) -> None:
         for row in r["w1"]["throughput"]:
             print(f"  {size_name(row['size']):>8} {row['raw_gbps_median']:9.2f} {row['kvown_gbps_median']:10.2f} "
                   f"{row['ratio']:6.2f}  | {row['kvown_threads_gbps_median']:22.2f} {row['ratio_threads']:6.2f}")
+            if "writer_work_us_median" in row:  # each engine's work per session, and its share of the loop
+                w, rx = (f"{row[f'{s}_work_us_median']:.0f} us ({100 * row[f'{s}_busy_median']:.0f} % busy)"
+                         for s in ("writer", "receiver"))
+                print(f"  {'':>8} engine work / session: writer {w}, receiver {rx}; "
+                      f"raw session {row['raw_us_per_session']:.0f} us")
         rl = r["w1"]["release_to_retired"]
         print(f"  release -> retired p50 {rl['p50_us']} us = {r['w1']['release_to_retired_over_rtt']} x RTT; "
               f"1 block publish -> landed p50 {r['w1'].get('publish_to_landed', {}).get('p50_us')} us")
