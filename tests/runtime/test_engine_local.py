@@ -189,8 +189,9 @@ def test_engine_busy_counts_the_work_not_the_polling():
         assert idle.engine_busy_ns > busy0
         time.sleep(0.1)
         later = tx.statistics()
-        assert later.engine_cpu_ns - idle.engine_cpu_ns > 30_000_000  # it polled on a CPU meanwhile
-        assert later.engine_busy_ns - idle.engine_busy_ns < 10_000_000
+        polled_ns = later.engine_cpu_ns - idle.engine_cpu_ns
+        assert polled_ns > 10_000_000  # it polled on a CPU meanwhile (what counting every step would count)
+        assert later.engine_busy_ns - idle.engine_busy_ns < polled_ns // 4
     finally:
         for rt in world.values():
             rt.watchdog.stop()
