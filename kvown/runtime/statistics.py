@@ -1,7 +1,8 @@
 """Statistics: one frozen, typed snapshot of a rank's ownership state (``RankRuntime.statistics()``).
 
-Owns: the snapshot types. The driver fills them under its lock (``Driver.statistics``); nothing in a
-snapshot changes after it was taken, so any thread may keep and compare them.
+Owns: the snapshot types. The driver fills them under its lock (``Driver.statistics``) and the engine
+adds its own two clocks (``Engine.statistics``); nothing in a snapshot changes after it was taken, so
+any thread may keep and compare them.
 
 Rules:
   1. Every figure a dashboard, a benchmark or a check reads is a named, typed field; ``counters``
