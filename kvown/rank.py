@@ -105,7 +105,7 @@ class LocalRank:
             digest = memory.shape_digest()
         else:
             assert layout is not None
-            pool = KVPool(layout, device=device)
+            pool = KVPool(layout, device=device, huge_pages=config.huge_pages)
             digest = layout.geometry_digest()
         endpoint = NixlEndpoint(f"kvown-{job}-r{rank}", progress_thread=config.progress_thread)
         parts = build_parts(rank, roles, endpoint, pool, config=config, geometry_digest=digest,

@@ -10,7 +10,7 @@ from kvown import cli
 from kvown.apps import doctor
 from kvown.apps.doctor import CheckResult, CheckStatus
 
-EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "build", "gpu", "serve", "bench", "vllm"]
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "build", "hugepages", "gpu", "serve", "bench", "vllm"]
 
 
 @pytest.mark.timeout(120)
@@ -127,3 +127,15 @@ def test_build_line_says_which_build_this_process_imported(monkeypatch: pytest.M
     monkeypatch.setattr(kvown, "build_info", lambda: half)
     broken = doctor.check_build()
     assert broken.status is CheckStatus.PROBLEM and "kvown.core.fence" in broken.detail and broken.fix
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("mode", "status"), [("madvise", "OK"), ("always", "OK"), ("never", "PROBLEM"),
+                                              ("unknown", "PROBLEM")])
+def test_huge_pages_line_reads_the_kernels_mode(monkeypatch: pytest.MonkeyPatch, mode: str, status: str) -> None:
+    import kvown.cache.hostmem as hostmem
+
+    monkeypatch.setattr(hostmem, "thp_mode", lambda: mode)
+    result = doctor.check_huge_pages()
+    assert result.status.name == status and mode in result.detail and not result.required
+    assert (result.fix != "") == (status == "PROBLEM")

@@ -1,7 +1,8 @@
 """``kvown doctor``: what this machine offers, one line per part.
 
 Owns: probing the Python, torch, NIXL, MPI, mpirun, CuPy, NVRTC, the kernels' host test build, which
-build of the hot path runs (compiled or interpreted) and the GPU that a kvown job would use, and reporting each as OK, a PROBLEM with its fix, or ABSENT (an
+build of the hot path runs (compiled or interpreted), transparent huge pages for CPU pools and the GPU
+that a kvown job would use, and reporting each as OK, a PROBLEM with its fix, or ABSENT (an
 optional part that is not here).
 
 Rules:
@@ -205,6 +206,19 @@ def check_build() -> CheckResult:
                "KVOWN_COMPILE=1 pip install . compiles them)", required=False)
 
 
+def check_huge_pages() -> CheckResult:
+    """Whether kvown's CPU pools can get transparent huge pages (kvown.cache.hostmem rule 2)."""
+    from kvown.cache.hostmem import thp_mode
+
+    mode = thp_mode()
+    if mode in ("always", "madvise"):
+        return _ok("hugepages", f"transparent huge pages: {mode} (CPU pools ask for them; a WRITE pins 2 MiB "
+                   "pages)", required=False)
+    return CheckResult("hugepages", CheckStatus.PROBLEM, False,
+                       f"transparent huge pages: {mode} (CPU pools stay in 4 KiB pages: slower CPU WRITEs)",
+                       "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root)")
+
+
 def check_gpu() -> CheckResult:
     import torch
 
@@ -249,6 +263,7 @@ CHECKS: list[tuple[str, bool, Callable[[], CheckResult]]] = [
     ("nvrtc", False, check_nvrtc),
     ("hostext", False, check_host_extension),
     ("build", False, check_build),
+    ("hugepages", False, check_huge_pages),
     ("gpu", False, check_gpu),
     *((name, False, lambda name=name: check_extra(name)) for name in EXTRAS),
 ]

@@ -31,6 +31,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
+from kvown.cache.hostmem import host_bytes
 from kvown.cache.layout import KVLayout
 from kvown.cache.space import BlockSpace, Region
 from kvown.core.errors import ConfigError, InvariantViolation, KvownError, LocalProtocolError
@@ -62,7 +63,8 @@ class PoolStatistics:
 class KVPool:
     """The blocks of one ``KVLayout`` in one contiguous torch uint8 tensor on ``device``."""
 
-    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu") -> None:
+    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu", *, huge_pages: bool = True) -> None:
+        """``huge_pages``: a CPU pool asks for transparent huge pages (``kvown.cache.hostmem`` rule 2)."""
         self.layout = layout
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -70,10 +72,16 @@ class KVPool:
         if self.device.type not in {"cpu", "cuda"}:
             raise ConfigError("pool device must be cpu or cuda", field="device", value=str(device))
         # Zero-filled so a block never shows another run's stale bytes.
-        self.tensor = torch.zeros(layout.pool_nbytes, dtype=torch.uint8, device=self.device)
+        self.huge_pages_advised = False  # a CPU pool whose mapping the kernel agreed to back with THP
+        if self.device.type == "cpu":
+            host = host_bytes(layout.pool_nbytes, huge_pages=huge_pages)
+            self.tensor, self.huge_pages_advised = host.tensor, host.advised
+        else:
+            self.tensor = torch.zeros(layout.pool_nbytes, dtype=torch.uint8, device=self.device)
         # A "separate" NVFP4 layout keeps its scales in a companion pool at the same block index (the
         # TensorRT-LLM way): its bytes only; the block states are this pool's. Transfers move both.
-        self.scales = KVPool(layout.scale_pool(), self.device) if layout.scale_layout == "separate" else None
+        self.scales = (KVPool(layout.scale_pool(), self.device, huge_pages=huge_pages)
+                       if layout.scale_layout == "separate" else None)
         self._block_nbytes = layout.block_nbytes
         self._state = [BlockState.FREE] * layout.num_blocks
         self._owner: list[Hashable | None] = [None] * layout.num_blocks

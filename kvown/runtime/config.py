@@ -49,6 +49,8 @@ class TransferConfig:
     control_retry_s: float = 1.0  # resend a control frame whose send raised for this long, then fail-stop
     # A single-operation stream's report rides on its WRITE as the NIXL notification (sender rule 6).
     carry_results: bool = True
+    # kvown's own CPU pool asks for transparent huge pages (kvown.cache.hostmem rule 2); False: base pages.
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")
@@ -62,6 +64,8 @@ class TransferConfig:
             raise ConfigError("metrics_port must be 0 (off) or a TCP port", field="metrics_port", value=self.metrics_port)
         if not isinstance(self.carry_results, bool):
             raise ConfigError("carry_results must be True or False", field="carry_results", value=self.carry_results)
+        if not isinstance(self.huge_pages, bool):
+            raise ConfigError("huge_pages must be True or False", field="huge_pages", value=self.huge_pages)
         if not isinstance(self.canary, bool):
             raise ConfigError("canary must be True or False", field="canary", value=self.canary)
         timeout_ns_from_s(self.control_retry_s, field="control_retry_s")

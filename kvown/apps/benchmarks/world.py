@@ -345,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--flight-capacity", type=int, default=4096, help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="CPU pools and raw buffers in base pages (TransferConfig.huge_pages=False, both sides)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
     ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
     ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
     """Connect the runtime and the raw baseline's agents; fill the writers' seeded source bytes."""
     from kvown import KVLayout, TransferConfig, connect_mpi
+    from kvown.cache.hostmem import thp_mode
 
     size, rank = comm.Get_size(), comm.Get_rank()
     heads = args.kv_heads or (2 if size <= 3 else 6)  # W3 slices heads among K writers: 6 divides by 1, 2, 3
@@ -440,7 +443,8 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
     levers = {"carry_results": False} if args.no_carry else {}
-    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, flight_capacity=args.flight_capacity, **levers)
+    config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, flight_capacity=args.flight_capacity,
+                            huge_pages=not args.no_huge_pages, **levers)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
                      device=args.device)
     if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ()):  # run as a rank (see the top)
@@ -448,7 +452,7 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
 
         install_sigterm_dump(_PublicRecorder(rt), dump_dir=args.flight_dir)  # a peer's abort: dump, then die
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
-    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device)
+    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device, not args.no_huge_pages)
     if rank != RX:  # fixed, seeded source bytes (never the canary value)
         import torch
 
@@ -464,6 +468,8 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
                               "heads": heads, "engine_spin_s": config.spin_s,
                               "carry_results": getattr(config, "carry_results", False),
                               "engine_idle_sleep_s": config.idle_sleep_s,
+                              "huge_pages": {"asked": config.huge_pages, "thp_mode": thp_mode(),
+                                             "advised": getattr(rt.pool, "huge_pages_advised", False)},
                               "args": {k: str(v) for k, v in vars(args).items()}}
     return Bench(args, comm, rank, tuple(range(1, size)), block, w1_sizes, w2_sizes, rt, raw, slow,
                  t_start + args.deadline_s, t_start, random.Random(args.seed), Rids(), result)
@@ -667,6 +673,9 @@ def report(r: dict[str, Any]) -> None:
     e = r["environment"]
     print(f"world ranks={r['ranks']}  python {e['python']}  nixl {e['nixl']}  ucx {e['ucx']}  cpus={e['cpus']}  "
           f"load={e['loadavg'][0]}  block={r['block_nbytes'] // KIB} KiB  wall={r['wall_s']} s")
+    hp = r.get("huge_pages", {})
+    print(f"memory: {'2 MiB huge pages' if hp.get('advised') else '4 KiB pages'} on both sides "
+          f"(THP {hp.get('thp_mode', '?')}{'' if hp.get('asked', True) else ', --no-huge-pages'})")
     n = r["notif_rtt"]
     print(f"yardsticks: notification RTT p50 {n['p50_us']} us (p99 {n['p99_us']}); raw WRITE p50 "
           + ", ".join(f"{size_name(int(s))} {v['p50_us']} us" for s, v in r["raw_write"].items()))
