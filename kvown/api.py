@@ -79,6 +79,8 @@ def _positive_int(value: Any, field: str, *, at_most: int | None = None) -> int:
 
 
 def _block_ids(blocks: Any, num_blocks: int, field: str) -> tuple[int, ...]:
+    if type(blocks) is range and blocks.step == 1 and 0 <= blocks.start < blocks.stop <= num_blocks:
+        return tuple(blocks)  # a contiguous run in bounds, checked by its ends (any other range: below)
     try:
         out = tuple(blocks)
     except TypeError:
