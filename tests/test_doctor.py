@@ -10,7 +10,8 @@ from kvown import cli
 from kvown.apps import doctor
 from kvown.apps.doctor import CheckResult, CheckStatus
 
-EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "build", "hugepages", "gpu", "serve", "bench", "vllm"]
+EXPECTED_NAMES = ["python", "torch", "nixl", "mpi", "mpirun", "cupy", "nvrtc", "hostext", "build", "hugepages",
+                  "gpu", "serve", "bench", "vllm"]
 
 
 @pytest.mark.timeout(120)
@@ -132,7 +133,8 @@ def test_build_line_says_which_build_this_process_imported(monkeypatch: pytest.M
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("mode", "status"), [("madvise", "OK"), ("always", "OK"), ("never", "PROBLEM"),
                                               ("unknown", "PROBLEM")])
-def test_huge_pages_line_reads_the_kernels_mode(monkeypatch: pytest.MonkeyPatch, mode: str, status: str) -> None:
+def test_huge_pages_line_reads_the_kernels_mode(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                status: str) -> None:
     import kvown.cache.hostmem as hostmem
 
     monkeypatch.setattr(hostmem, "thp_mode", lambda: mode)

@@ -7,10 +7,10 @@ Rules:
      returns: no WRITE pays a first-touch fault, and a machine short of memory fails at start, not
      mid-transfer. From ``HUGE_PAGE_NBYTES`` up its first byte is 2 MiB-aligned in its own mapping.
   2. With ``huge_pages=True`` (and at least ``HUGE_PAGE_NBYTES``; a smaller pool would round a whole
-     huge page up for a few blocks) the mapping is advised ``MADV_HUGEPAGE`` before its first touch. Where the
-     kernel refuses (no THP, not Linux) the memory is the same in base pages; ``HostBytes.advised`` says
-     which. Why: a CPU WRITE (UCX cma) and an RDMA registration pin every page they touch, so 2 MiB
-     pages pin 512 times fewer (docs/design.md section 14, "Host memory").
+     huge page up for a few blocks) the mapping is advised ``MADV_HUGEPAGE`` before its first touch.
+     Where the kernel refuses (no THP, not Linux) the memory is the same in base pages;
+     ``HostBytes.advised`` says which. Why: a CPU WRITE (UCX cma) and an RDMA registration pin every
+     page they touch, so 2 MiB pages pin 512 times fewer (docs/design.md section 14, "Host memory").
   3. The tensor owns its mapping (``torch.frombuffer`` holds the ``mmap``): nothing unmaps it while a
      view of it lives.
 """

@@ -63,7 +63,8 @@ class PoolStatistics:
 class KVPool:
     """The blocks of one ``KVLayout`` in one contiguous torch uint8 tensor on ``device``."""
 
-    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu", *, huge_pages: bool = True) -> None:
+    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu", *,
+                 huge_pages: bool = True) -> None:
         """``huge_pages``: a CPU pool asks for transparent huge pages (``kvown.cache.hostmem`` rule 2)."""
         self.layout = layout
         self.device = torch.device(device)

@@ -16,7 +16,8 @@ def _sender_and_blocks() -> tuple[object, int, object]:
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("blocks", [range(-1, 2), range(0, 10**6), range(3, 3), range(5, 1, -1), range(0, 8, 2)])
+@pytest.mark.parametrize("blocks",
+                         [range(-1, 2), range(0, 10**6), range(3, 3), range(5, 1, -1), range(0, 8, 2)])
 def test_bad_or_unusual_ranges_are_checked_like_any_sequence(blocks: range) -> None:
     api, _, driver = _sender_and_blocks()
     n = driver.pool.num_blocks

@@ -346,7 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--no-huge-pages", action="store_true",
-                    help="CPU pools and raw buffers in base pages (TransferConfig.huge_pages=False, both sides)")
+                    help="CPU pools and raw buffers in base pages (both sides; TransferConfig.huge_pages)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
     ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
     ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
@@ -452,7 +452,8 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
 
         install_sigterm_dump(_PublicRecorder(rt), dump_dir=args.flight_dir)  # a peer's abort: dump, then die
     tag = comm.bcast(f"{os.getpid():x}" if rank == RX else None, root=RX)
-    raw = Raw(comm, rank, max(max(w1_sizes) * window, max(w2_sizes)), tag, args.device, not args.no_huge_pages)
+    raw_nbytes = max(max(w1_sizes) * window, max(w2_sizes))
+    raw = Raw(comm, rank, raw_nbytes, tag, args.device, huge_pages=not args.no_huge_pages)
     if rank != RX:  # fixed, seeded source bytes (never the canary value)
         import torch
 
