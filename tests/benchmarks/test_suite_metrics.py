@@ -53,3 +53,11 @@ def test_gc_time_counts_the_collectors_passes() -> None:
     del junk
     assert t.ns > 0 and t.full >= 1
     assert t._callback not in gc.callbacks  # noqa: SLF001 - it unhooks itself (bound methods compare equal)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("advised", "pages"), [(True, "2MiB"), (False, "4KiB")])
+def test_the_metrics_say_which_pages_the_world_bench_wrote_between(advised: bool, pages: str) -> None:
+    world = {"huge_pages": {"asked": advised, "thp_mode": "madvise", "advised": advised}}
+    assert suite.metrics_of({"world": world})["cpu_pool_pages"] == pages
+    assert "cpu_pool_pages" not in suite.metrics_of({"world": {}})  # an older world JSON: not guessed

@@ -80,6 +80,8 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
             m[f"w2_{key}"] = w2[key]
     if "notif_rtt" in world:
         m["notif_rtt_p50_us"] = world["notif_rtt"]["p50_us"]
+    if "huge_pages" in world:  # the memory both W1/W2 sides WRITE between (kvown.cache.hostmem)
+        m["cpu_pool_pages"] = "2MiB" if world["huge_pages"].get("advised") else "4KiB"
     slow = [r["slow_sessions"]["count"] for r in {id(world): world, id(fanin): fanin}.values() if "slow_sessions" in r]
     if slow:
         m["slow_sessions"] = sum(slow)  # counted and reported (kvown.apps.benchmarks.slow), never a crash
