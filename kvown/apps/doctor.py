@@ -208,10 +208,10 @@ def check_build() -> CheckResult:
 
 def check_huge_pages() -> CheckResult:
     """Whether kvown's CPU pools can get transparent huge pages (kvown.cache.hostmem rule 2)."""
-    from kvown.cache.hostmem import thp_mode
+    from kvown.cache.hostmem import THP_GRANTING_MODES, thp_mode
 
     mode = thp_mode()
-    if mode in ("always", "madvise"):
+    if mode in THP_GRANTING_MODES:
         return _ok("hugepages", f"transparent huge pages: {mode} (CPU pools ask for them; a WRITE pins 2 MiB "
                    "pages)", required=False)
     return CheckResult("hugepages", CheckStatus.PROBLEM, False,

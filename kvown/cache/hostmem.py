@@ -1,6 +1,7 @@
 """Host (CPU) memory for KV pools: zero-filled, 2 MiB-aligned, on transparent huge pages where allowed.
 
-Owns: the allocation of kvown's own CPU block memory (``KVPool`` on "cpu", the benchmarks' raw buffers).
+Owns: the allocation of kvown's own block memory (``KVPool``, the benchmarks' raw buffers): host memory
+as below, GPU memory as ``torch.zeros`` on the device (``device_bytes`` chooses).
 
 Rules:
   1. ``host_bytes(nbytes)`` returns a zero-filled uint8 CPU tensor whose pages are faulted in before it
@@ -26,6 +27,7 @@ from kvown.core.errors import ConfigError
 
 HUGE_PAGE_NBYTES = 2 << 20
 THP_ENABLED_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP_GRANTING_MODES = ("always", "madvise")  # the kernel modes in which an advised mapping gets huge pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,14 @@ def host_bytes(nbytes: int, *, huge_pages: bool = True) -> HostBytes:
     tensor = whole[offset : offset + nbytes]
     tensor.zero_()  # rule 1: fault every page in now (a fresh anonymous mapping is already zero)
     return HostBytes(tensor, advised)
+
+
+def device_bytes(nbytes: int, device: str | torch.device, *, huge_pages: bool = True) -> HostBytes:
+    """``nbytes`` of zeroed memory on ``device``: ``host_bytes`` on the CPU, ``torch.zeros`` on a GPU
+    (``advised`` False there: GPU memory has no transparent huge pages)."""
+    if torch.device(device).type == "cpu":
+        return host_bytes(nbytes, huge_pages=huge_pages)
+    return HostBytes(torch.zeros(nbytes, dtype=torch.uint8, device=device), False)
 
 
 def thp_mode() -> str:

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from kvown.cache.hostmem import host_bytes
+from kvown.cache.hostmem import device_bytes
 from kvown.cache.layout import KVLayout
 from kvown.cache.space import BlockSpace, Region
 from kvown.core.errors import ConfigError, InvariantViolation, KvownError, LocalProtocolError
@@ -73,12 +73,9 @@ class KVPool:
         if self.device.type not in {"cpu", "cuda"}:
             raise ConfigError("pool device must be cpu or cuda", field="device", value=str(device))
         # Zero-filled so a block never shows another run's stale bytes.
-        self.huge_pages_advised = False  # a CPU pool whose mapping the kernel agreed to back with THP
-        if self.device.type == "cpu":
-            host = host_bytes(layout.pool_nbytes, huge_pages=huge_pages)
-            self.tensor, self.huge_pages_advised = host.tensor, host.advised
-        else:
-            self.tensor = torch.zeros(layout.pool_nbytes, dtype=torch.uint8, device=self.device)
+        memory = device_bytes(layout.pool_nbytes, self.device, huge_pages=huge_pages)
+        self.tensor = memory.tensor
+        self.huge_pages_advised = memory.advised  # a CPU pool the kernel agreed to back with THP
         # A "separate" NVFP4 layout keeps its scales in a companion pool at the same block index (the
         # TensorRT-LLM way): its bytes only; the block states are this pool's. Transfers move both.
         self.scales = (KVPool(layout.scale_pool(), self.device, huge_pages=huge_pages)

@@ -7,12 +7,12 @@ import gc
 import pytest
 
 from kvown.cache import KVLayout, KVPool
-from kvown.cache.hostmem import HUGE_PAGE_NBYTES, host_bytes, huge_page_nbytes, thp_mode
+from kvown.cache.hostmem import HUGE_PAGE_NBYTES, THP_GRANTING_MODES, host_bytes, huge_page_nbytes, thp_mode
 from kvown.core.errors import ConfigError
 from kvown.runtime.config import TransferConfig
 
 # "always" backs every large anonymous mapping, "madvise" only advised ones: both must show huge pages
-THP_ON = thp_mode() in ("always", "madvise")
+THP_ON = thp_mode() in THP_GRANTING_MODES
 
 
 @pytest.mark.timeout(20)

@@ -75,16 +75,11 @@ class Raw:
                  huge_pages: bool = True) -> None:
         """``huge_pages``: a CPU buffer is host memory like kvown's own pool (``kvown.cache.hostmem``), so
         the two sides of every ratio WRITE between the same kind of pages."""
-        import torch
-
         from kvown.adapters.nixl import MemKind, NixlEndpoint
-        from kvown.cache.hostmem import host_bytes
+        from kvown.cache.hostmem import device_bytes
 
         self.comm, self.rank = comm, rank
-        if torch.device(device).type == "cpu":
-            self.buf = host_bytes(nbytes, huge_pages=huge_pages).tensor.fill_(rank + 1)
-        else:
-            self.buf = torch.full((nbytes,), rank + 1, dtype=torch.uint8, device=device)
+        self.buf = device_bytes(nbytes, device, huge_pages=huge_pages).tensor.fill_(rank + 1)
         self.mem = MemKind.VRAM if self.buf.device.type == "cuda" else MemKind.DRAM
         self.device_id = self.buf.device.index or 0
         self.ep = NixlEndpoint(f"bench-raw-{tag}-r{rank}")
