@@ -61,3 +61,20 @@ def test_the_metrics_say_which_pages_the_world_bench_wrote_between(advised: bool
     world = {"huge_pages": {"asked": advised, "thp_mode": "madvise", "advised": advised}}
     assert suite.metrics_of({"world": world})["cpu_pool_pages"] == pages
     assert "cpu_pool_pages" not in suite.metrics_of({"world": {}})  # an older world JSON: not guessed
+
+
+@pytest.mark.timeout(30)
+def test_w1_prices_the_publication_and_kvown_beyond_it() -> None:
+    """Each ratio is the median of the repetitions' own ratios (measured back to back), not a ratio of
+    medians; the suite carries B0+pub's ceiling and kvown's ratio under it."""
+    from kvown.apps.benchmarks.world import _w1_ratios
+
+    row = {"size": 1 << 20, "raw_gbps": [4.0, 5.0, 8.0], "raw_pub_gbps": [4.0, 4.0, 4.0],
+           "kvown_gbps": [2.0, 3.0, 2.0], "kvown_threads_gbps": [1.0, 1.0, 1.0]}
+    out = _w1_ratios(row)
+    assert out["raw_pub_over_raw"] == pytest.approx(0.8)  # median of 1.0, 0.8, 0.5
+    assert out["ratio_vs_raw_pub"] == pytest.approx(0.5)  # median of 0.5, 0.75, 0.5
+    assert out["raw_pub_gbps_median"] == pytest.approx(4.0)
+    m = suite.metrics_of({"world": {"w1": {"throughput": [{**row, **out}]}}})
+    assert m["w1_raw_pub_over_raw_1mib"] == pytest.approx(0.8)
+    assert m["w1_ratio_vs_raw_pub_1mib"] == pytest.approx(0.5)

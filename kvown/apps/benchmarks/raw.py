@@ -3,6 +3,8 @@
 The engine thread owns the runtime's agent, so each rank makes a second one here (``Raw``):
   B0 raw NIXL   one WRITE + notification per session, one descriptor, no protocol. The receiver frees a
                 slot when it has counted the notification, and AT ONCE on cancel (unsafe).
+  B0+pub        W1 only: B0 where the writer waits for the receiver's one notification per session
+                before it writes (the publication kvown's protocol sends), and nothing else.
   B1 timeout    like B0, but a cancelled slot is held for a fixed ``--b1-timeout-s`` (vLLM/SGLang hold
                 cancelled KV for 30-480 s; scaled down here and reported).
 Yardsticks: the notification ping-pong RTT and one raw WRITE of each size (post -> DONE).
@@ -173,7 +175,12 @@ class Raw:
 
     # -- W1 (B0): window of sessions from writer 1
 
-    def throughput(self, size: int, n: int, window: int, deadline: float) -> int:
+    def throughput(self, size: int, n: int, window: int, deadline: float, published: bool = False) -> int:
+        """``n`` WRITEs of ``size``, ``window`` in flight; ns on each rank's clock. ``published``: B0+pub,
+        where rank 0 first tells the writer "write session i" with one notification (rank 0 keeps
+        ``window`` of them ahead and sends the next when a WRITE's notification lands), and the writer
+        posts WRITE i only once it has read that one: the one message kvown's protocol adds to raw's
+        session (the publication), with nothing else of kvown, so kvown / B0+pub prices the rest."""
         soft_barrier(self.comm, deadline, self.pump)
         t0 = time.perf_counter_ns()
         if self.rank == 1:
@@ -181,13 +188,20 @@ class Raw:
             for i in range(n):
                 if len(live) == window:
                     self.wait_done(live.popleft(), deadline)
+                if published:
+                    self.take(b"q%d;" % i, deadline)
                 slot = (i % window) * size
                 live.append(self.post(RX, slot, slot, size, b"w%d" % i))
             while live:
                 self.wait_done(live.popleft(), deadline)
         elif self.rank == RX:
-            for _ in range(n):
+            ahead = min(window, n) if published else 0
+            for i in range(ahead):
+                self.ep.send_notif(self.peers[1], b"q%d;" % i)
+            for i in range(ahead, n + ahead):
                 self.take(b"w", deadline)
+                if published and i < n:
+                    self.ep.send_notif(self.peers[1], b"q%d;" % i)
         ns = time.perf_counter_ns() - t0
         soft_barrier(self.comm, deadline, self.pump)
         return ns
