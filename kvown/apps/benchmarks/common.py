@@ -242,16 +242,21 @@ def cdf(ax: Any, samples_us: Iterable[float], label: str, **kw: Any) -> None:
 
 
 def w1_bars(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """W1's kvown / raw ratios per size: the event-driven consumer (the headline) beside the thread one."""
+    """W1's kvown / raw ratios per size: the event-driven consumer (the headline) beside the thread one,
+    and B0+pub's own ratio to raw as a mark (where a protocol that publishes could reach)."""
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [row["ratio"] for row in rows], 0.4, color="tab:blue", label="callbacks (headline)")
     if all("ratio_threads" in row for row in rows):
         ax.bar(x + 0.2, [row["ratio_threads"] for row in rows], 0.4, color="tab:gray", label="waiting thread")
+    if all("raw_pub_over_raw" in row for row in rows):  # B0+pub: the ceiling of a protocol that publishes
+        ax.scatter(x, [row["raw_pub_over_raw"] for row in rows], marker="_", s=600, color="black", zorder=3,
+                   label="B0+pub / raw (publication only)")
     ax.axhline(0.95, color="tab:red", ls="--", lw=1, label="target 0.95 (>= 4 MiB)")
     ax.axhline(0.8, color="tab:orange", ls=":", lw=1, label="target 0.8 (1 MiB)")
     ax.set_xticks(x, [size_name(row["size"]) for row in rows])
     ax.set_ylabel("kvown / raw NIXL throughput")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, max(1.4, ax.get_ylim()[1]))  # headroom for the legend above the bars
+    ax.legend(fontsize=6, loc="upper left", ncol=2)
 
 
 def save(fig: Any, path: str | os.PathLike[str]) -> None:
