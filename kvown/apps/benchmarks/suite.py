@@ -68,7 +68,7 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
             m[f"w1_throughput_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio"], 3)
             if "ratio_threads" in row:  # the consumer thread that waits per session, beside the headline
                 m[f"w1_threads_ratio_vs_raw_{row['size'] // MIB}mib"] = round(row["ratio_threads"], 3)
-            if "raw_pub_over_raw" in row:  # B0+pub: the ceiling of a protocol that publishes, and kvown under it
+            if "raw_pub_over_raw" in row:  # B0+pub: where a protocol that publishes could reach
                 m[f"w1_raw_pub_over_raw_{row['size'] // MIB}mib"] = round(row["raw_pub_over_raw"], 3)
                 m[f"w1_ratio_vs_raw_pub_{row['size'] // MIB}mib"] = round(row["ratio_vs_raw_pub"], 3)
             if "writer_busy_median" in row:  # near 1: the writer's engine is W1's bottleneck
