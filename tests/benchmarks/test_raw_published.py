@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvown.apps.benchmarks.raw import RX, Raw
+from kvown.apps.benchmarks.raw import RX, Raw, publication
 
 KIB = 1024
 
@@ -69,14 +69,15 @@ def run_pair(n: int, window: int, published: bool) -> dict[str, Any]:
 
         def taking(prefix: bytes, deadline: float) -> Any:
             got = take(prefix, deadline)
-            seen["taken"].add(got[1]) if rank == 1 else None
-            if rank == RX and prefix == b"w":
+            if rank == 1:
+                seen["taken"].add(got[1])
+            elif prefix == b"w":
                 seen["landed"] = seen.get("landed", 0) + 1
             return got
 
         def posting(dst: int, src_off: int, dst_off: int, nbytes: int, notif: bytes | None) -> Any:
             i = int(notif[1:]) if notif else -1
-            if published and b"q%d;" % i not in seen["taken"]:
+            if published and publication(i) not in seen["taken"]:
                 seen["early_posts"].append(i)
             return post(dst, src_off, dst_off, nbytes, notif)
 
@@ -104,7 +105,7 @@ def run_pair(n: int, window: int, published: bool) -> dict[str, Any]:
 def test_the_writer_writes_a_session_only_after_its_publication() -> None:
     seen = run_pair(n=24, window=4, published=True)
     assert seen["early_posts"] == []
-    assert seen["sent_q"] == [b"q%d;" % i for i in range(24)]  # each session published once, in order
+    assert seen["sent_q"] == [publication(i) for i in range(24)]  # each session published once, in order
     assert seen["ahead_max"] <= 4  # the receiver publishes at most a window ahead of what landed
 
 

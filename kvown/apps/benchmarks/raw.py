@@ -56,6 +56,11 @@ def soft_recv(comm: Any, source: int, tag: int, deadline: float) -> Any:
         time.sleep(2e-5)
 
 
+def publication(i: int) -> bytes:
+    """B0+pub's notification "write session i" (the ``;`` keeps ``q1`` from matching ``q10``)."""
+    return b"q%d;" % i
+
+
 def spin_until_ns(t_ns: int) -> None:
     while time.monotonic_ns() < t_ns:
         os.sched_yield()
@@ -189,7 +194,7 @@ class Raw:
                 if len(live) == window:
                     self.wait_done(live.popleft(), deadline)
                 if published:
-                    self.take(b"q%d;" % i, deadline)
+                    self.take(publication(i), deadline)
                 slot = (i % window) * size
                 live.append(self.post(RX, slot, slot, size, b"w%d" % i))
             while live:
@@ -197,11 +202,11 @@ class Raw:
         elif self.rank == RX:
             ahead = min(window, n) if published else 0
             for i in range(ahead):
-                self.ep.send_notif(self.peers[1], b"q%d;" % i)
-            for i in range(ahead, n + ahead):
+                self.ep.send_notif(self.peers[1], publication(i))
+            for i in range(ahead, n + ahead):  # one WRITE landed: publish the session a window later
                 self.take(b"w", deadline)
                 if published and i < n:
-                    self.ep.send_notif(self.peers[1], b"q%d;" % i)
+                    self.ep.send_notif(self.peers[1], publication(i))
         ns = time.perf_counter_ns() - t0
         soft_barrier(self.comm, deadline, self.pump)
         return ns
@@ -245,4 +250,5 @@ class Raw:
         return {"violations": violations, "freed_ns": freed}
 
 
-__all__ = ["BenchError", "CANARY", "RX", "Raw", "soft_barrier", "soft_recv", "spin_until_ns", "sync_device"]
+__all__ = ["BenchError", "CANARY", "RX", "Raw", "publication", "soft_barrier", "soft_recv", "spin_until_ns",
+           "sync_device"]
