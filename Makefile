@@ -35,7 +35,15 @@ all: test
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# A full disk makes pip stop half-way with ENOSPC deep in its log; say it first, with the numbers. About
+# 2 GiB for .venv and 4 GiB for .venv-vllm once installed, plus room for pip to unpack the wheels.
+NEED_FREE = @free_kib=$$(df -Pk . | awk 'NR==2 {print $$4}'); \
+	if [ "$$free_kib" -lt $$(($(1) * 1048576)) ]; then \
+		echo "make: installing $(2) needs about $(1) GiB free on this disk, $$((free_kib / 1048576)) GiB left" \
+			"(df -h .; old clones with their venvs are the usual cause)" >&2; exit 1; fi
+
 $(STAMP): $(LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/kv_host.cpp | $(VENV)/bin/python
+	$(call NEED_FREE,3,$(VENV))
 	$(VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
 	$(VENV)/bin/python -m pip install --quiet -r $(LOCK)
 	$(VENV)/bin/python -m pip install --quiet --no-deps -e .
@@ -47,6 +55,7 @@ $(VLLM_VENV)/bin/python:
 	$(PYTHON) -m venv $(VLLM_VENV)
 
 $(VLLM_STAMP): $(VLLM_LOCK) pyproject.toml setup.py kernels/cuda/kv_math.cuh kernels/host/kv_host.cpp | $(VLLM_VENV)/bin/python
+	$(call NEED_FREE,5,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
