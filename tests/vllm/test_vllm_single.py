@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import stat
+
 import httpx
 import openai
 import pytest
@@ -61,3 +63,10 @@ def test_bad_request_is_relayed_with_its_status(single_stack):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(f"{single_stack.url}/v1/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400
+
+
+def test_vllm_ipc_sockets_live_in_the_stacks_own_dir(single_stack):
+    """vLLM binds its IPC sockets under VLLM_RPC_BASE_PATH (default /tmp, where every stopped instance
+    left its own); the stack points that at a directory of its own, which its stop removes."""
+    sockets = [p.name for p in single_stack.ipc_dir.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, f"no vLLM socket in {single_stack.ipc_dir}"
