@@ -7,6 +7,8 @@ Rules:
      over NIXL (UCX, host memory on a CPU machine). Nothing here fakes a transfer.
   2. The launcher never hangs: the world runs under a hard timeout and is killed past it.
   3. The JSON report's schema is documented in docs/demo-report.md.
+  4. A clean world leaves no files behind but the flight recorders its report names; a failed one keeps
+     its log and results and says where.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -175,16 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     rc = _run_with_progress(cmd, env, workdir, out, args)
     wall_s = time.monotonic() - t0
     flights = sorted(glob.glob(os.path.join(flight_dir, "kvown-flight-rank*.jsonl")))
-    if args.fault:
-        return _report_fault(rc, wall_s, flights, timeout_s)
-    if rc != 0 or not os.path.exists(out):
+    if args.fault:  # the report names the flight recorders: the directory stays while it holds them
+        status = _report_fault(rc, wall_s, flights, timeout_s)
+        keep = any(os.path.dirname(path) == workdir for path in flights)
+    elif rc != 0 or not os.path.exists(out):
         print(f"kvown demo: the world failed (exit code {rc}); flight recorders: {flights or 'none'}", file=sys.stderr)
         for path in flights:
             print(f"  {path}: {_fail_stop_reason(path)}", file=sys.stderr)
-        return 1
-    with open(out) as f:
-        summary = summarize(json.load(f), wall_s, args)
-    return _report(summary, args)
+        status, keep = 1, False
+    else:
+        with open(out) as f:
+            summary = summarize(json.load(f), wall_s, args)
+        status, keep = _report(summary, args), False
+    if status == 0 and not keep:  # rule 4
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif status != 0:
+        print(f"kvown demo: the world's log and results are kept in {workdir}", file=sys.stderr)
+    return status
 
 
 def _report(summary: dict, args: argparse.Namespace) -> int:

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 from worldkit import run
 
 DEMO = [sys.executable, "-m", "kvown.apps.demo"]
+WORKDIRS = os.path.join(tempfile.gettempdir(), "kvown-demo-*")
 
 
 def demo(tmp_path, *args: str, timeout_s: float = 180):
+    """(proc, report, left): ``left`` names the work directories the run left in the temp dir, which
+    are then removed (a clean world must leave none; a failed one keeps its log and says where)."""
     out = tmp_path / "report.json"
+    before = set(glob.glob(WORKDIRS))
     proc = run(DEMO + ["--json", str(out), *args], timeout_s, env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
     report = json.loads(out.read_text()) if out.exists() else None
-    return proc, report
+    left = sorted(set(glob.glob(WORKDIRS)) - before)
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return proc, report, left
 
 
 @pytest.mark.multiproc
@@ -27,8 +38,9 @@ def demo(tmp_path, *args: str, timeout_s: float = 180):
     ("--ranks", "4", "--requests", "150", "--dtype", "nvfp4", "--scale-layout", "separate", "--fan-in"),
 ], ids=["generation-first", "context-first-fan-in", "nvfp4-separate-scales-fan-in"])
 def test_demo_runs_clean(tmp_path, args):
-    proc, report = demo(tmp_path, *args)
+    proc, report, left = demo(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert left == [], "a clean world left its work directory behind"
     requests = int(args[3])
     assert report["corrupted_blocks"] == 0 and report["blocks_held_at_end"] == 0
     ended = ("requests_completed", "requests_cancelled", "requests_aborted", "requests_failed")
@@ -60,7 +72,7 @@ LATENCY_RUNS = [
 @pytest.mark.parametrize("seed,flags", LATENCY_RUNS, ids=[f"seed{s}" for s, _ in LATENCY_RUNS])
 def test_demo_latencies_are_true(tmp_path, seed, flags):
     args = ("--requests", "80", "--seed", seed, "--cancel-rate", "0.4", *flags)
-    proc, report = demo(tmp_path, *args)
+    proc, report, _ = demo(tmp_path, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_true_latencies(report)
 
@@ -75,9 +87,10 @@ def test_demo_with_a_slow_network_catches_a_receiver_that_retires_on_cancel(tmp_
     """The OFF/ON reproducer. Control frames reach the writer 30 ms late, so writes are still being
     posted after the receiver cancels. kvown holds the blocks until the writer quiesces and stays
     clean; the bug every peer system shipped (retire on cancel without acks) corrupts reused blocks."""
-    proc, report = demo(tmp_path, *SLOW_NETWORK, *(("--mutant", mutant) if mutant else ()))
+    proc, report, left = demo(tmp_path, *SLOW_NETWORK, *(("--mutant", mutant) if mutant else ()))
     if mutant:  # caught by the landed-data check, or by the runtime's retirement canary (a fail-stop)
         assert proc.returncode == 1, proc.stdout[-2000:]
+        assert len(left) == 1 and left[0] in proc.stderr, (left, proc.stderr[-2000:])  # kept, and named
         caught_by_canary = "a write landed after retirement" in proc.stderr
         assert caught_by_canary or (report is not None and report["corrupted_blocks"] > 0), proc.stderr[-3000:]
     else:
@@ -88,9 +101,11 @@ def test_demo_with_a_slow_network_catches_a_receiver_that_retires_on_cancel(tmp_
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_demo_stuck_writer_fail_stops_the_world_at_the_deadline(tmp_path):
+    before = set(glob.glob(WORKDIRS))
     proc = run(DEMO + ["--ranks", "2", "--requests", "100", "--fault", "stuck-writer"], 100,
                env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(glob.glob(WORKDIRS)) == before, "the recorders are in KVOWN_FLIGHT_DIR: nothing else to keep"
     assert "world exit code       75" in proc.stdout
     flights = sorted(tmp_path.glob("kvown-flight-rank*.jsonl"))
     assert flights, "no flight recorder was written"
@@ -113,7 +128,7 @@ def test_demo_soak_five_seeds_in_every_mode(tmp_path):
         for seed in range(1, 6):
             run_dir = tmp_path / f"{mode}-{seed}"
             run_dir.mkdir()
-            proc, report = demo(run_dir, "--seed", str(seed), *flags, timeout_s=600)
+            proc, report, _ = demo(run_dir, "--seed", str(seed), *flags, timeout_s=600)
             assert proc.returncode == 0 and report is not None, (mode, seed, proc.stderr[-3000:])
             assert report["corrupted_blocks"] == 0 and report["blocks_held_at_end"] == 0, (mode, seed, report)
             assert report["requests_unfinished"] == 0 and report["requests_failed"] == 0, (mode, seed, report)
