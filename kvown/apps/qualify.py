@@ -251,7 +251,8 @@ def run_failstop(
     launch: Launch, ranks: int, device: str, timeout_s: float, bound_s: float, grace_s: float = 0.5
 ) -> tuple[dict[str, bool], dict]:
     """The fail-stop world: (checks, figures). See ``kvown.apps.qualify_failstop``."""
-    flight_dir = tempfile.mkdtemp(prefix="kvown-qualify-flight-")
+    # the caller's KVOWN_FLIGHT_DIR when it gives one (figures name the directory the ranks really used)
+    flight_dir = launch.env.get("KVOWN_FLIGHT_DIR") or tempfile.mkdtemp(prefix="kvown-qualify-flight-")
     run = run_world(
         launch,
         ranks,
@@ -268,7 +269,7 @@ def run_failstop(
         ],
         timeout_s,
         watch_pids=launch.sees_pids,
-        extra_env={"KVOWN_FLIGHT_DIR": launch.env.get("KVOWN_FLIGHT_DIR", flight_dir)},
+        extra_env={"KVOWN_FLIGHT_DIR": flight_dir},
     )
     deadline = (run.tagged.get("KVOWN-DEADLINE") or [{}])[-1]
     figures: dict = {

@@ -57,10 +57,15 @@ def test_scenario(scenario_results, name):
 @pytest.mark.parametrize("layout", [("nvfp4", "inline"), ("nvfp4", "separate"), ("mla", "inline")],
                          ids=["nvfp4-inline-scales", "nvfp4-separate-scales", "mla"])
 def test_qualify_passes_for_other_layouts(tmp_path, layout):
-    out = tmp_path / "checks.json"
+    out, flights = tmp_path / "checks.json", tmp_path / "flights"
+    flights.mkdir()
     proc = run([sys.executable, "-m", "kvown.apps.qualify", "--layout", layout[0], "--scale-layout", layout[1],
-                "--json", str(out)], 280)
+                "--json", str(out)], 280, env={"KVOWN_FLIGHT_DIR": str(flights)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    checks = json.loads(out.read_text())["checks"]
+    report = json.loads(out.read_text())
+    # the fail-stop world's recorders go where the caller asked, and the report names that directory
+    assert report["figures"]["failstop"]["flight_dir"] == str(flights)
+    assert list(flights.glob("kvown-flight-rank*.jsonl"))
+    checks = report["checks"]
     assert set(checks) == set(EXPECTED) | {"network", "fail_stop_across_hosts"}
     assert all(all(v.values()) for v in checks.values())
