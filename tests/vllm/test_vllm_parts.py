@@ -141,13 +141,13 @@ def group_gone_after_stop(tmp_path) -> bool:
 
 
 @pytest.mark.vllm
-def test_stop_removes_the_stacks_ipc_dir(vllm_python, tmp_path):
+def test_stop_removes_the_stacks_tmp_dir(vllm_python, tmp_path):
     stack = st.VllmStack(st.StackOptions(run_dir=str(tmp_path / "run"), vllm_python=vllm_python))
-    ipc_dir = stack.ipc_dir
-    (ipc_dir / "left-by-an-engine").touch()
-    assert ipc_dir.is_dir() and len(str(ipc_dir)) < 64  # room for vLLM's uuid name in a socket path
+    tmp_dir = stack.tmp_dir
+    (tmp_dir / "left-by-an-engine").touch()
+    assert tmp_dir.is_dir() and len(str(tmp_dir)) < 64  # room for vLLM's uuid name in a socket path
     stack.stop()
-    assert not ipc_dir.exists()
+    assert not tmp_dir.exists()
 
 
 def test_stop_leaves_no_process_of_the_group(tmp_path):

@@ -65,8 +65,9 @@ def test_bad_request_is_relayed_with_its_status(single_stack):
     assert r.status_code == 400
 
 
-def test_vllm_ipc_sockets_live_in_the_stacks_own_dir(single_stack):
-    """vLLM binds its IPC sockets under VLLM_RPC_BASE_PATH (default /tmp, where every stopped instance
-    left its own); the stack points that at a directory of its own, which its stop removes."""
-    sockets = [p.name for p in single_stack.ipc_dir.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
-    assert sockets, f"no vLLM socket in {single_stack.ipc_dir}"
+def test_vllm_temp_files_live_in_the_stacks_own_dir(single_stack):
+    """vLLM binds its IPC sockets and starts its process group through a file store in the temp dir
+    (/tmp kept every stopped instance's); the stack gives vLLM a temp dir of its own, which stop removes."""
+    names = {p.name: p.lstat().st_mode for p in single_stack.tmp_dir.iterdir()}
+    assert any(stat.S_ISSOCK(mode) for mode in names.values()), f"no vLLM socket in {single_stack.tmp_dir}"
+    assert any(name.startswith("vllm_dist_") for name in names), names

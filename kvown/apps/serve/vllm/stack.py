@@ -9,8 +9,8 @@ Rules:
   1. Every vLLM instance is its own process group (API server, EngineCore, Worker); ``stop`` (and the
      context manager, and a failed ``start``) SIGTERMs each group, SIGKILLs it after ``grace_s``, then
      stops etcd: nothing outlives the stack. Children also die with the thread that started them.
-     vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``, else one per process left in /tmp) go in a directory
-     of the stack's own that ``stop`` removes.
+     vLLM's temporary files (its IPC sockets, the file store of its process-group start) go in a
+     temp directory of the stack's own (``TMPDIR``) that ``stop`` removes; /tmp kept them all.
   2. Every wait is bounded (``start_timeout_s`` for the whole start, ``grace_s`` per stop).
   3. Distinct free ports per process (HTTP and NIXL side channel); ``VLLM_NIXL_SIDE_CHANNEL_HOST`` is
      127.0.0.1 (``localhost`` may resolve to ::1); the same model path string on every instance (it is
@@ -210,7 +210,7 @@ class VllmStack:
         self.spec = connector(options.connector) if options.connector else None
         self.run_dir = Path(options.run_dir or tempfile.mkdtemp(prefix="kvown-vllm-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ipc_dir = Path(tempfile.mkdtemp(prefix="kvown-vllm-ipc-"))  # short: a socket path fits 107 bytes
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="kvown-vllm-tmp-"))  # short: a socket path fits 107 bytes
         self.vllm_python = find_vllm_python(options.vllm_python)
         self.etcd: EtcdProcess | None = None
         self.instances: dict[str, VllmProcess] = {}
@@ -241,7 +241,7 @@ class VllmStack:
         extra = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_CI_ENV": "1",
                  "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.side_channel_port), "NIXL_LOG_LEVEL": "WARN",
-                 "VLLM_RPC_BASE_PATH": str(self.ipc_dir),
+                 "TMPDIR": str(self.tmp_dir),
                  **(self.spec.instance_env() if self.spec else {}), **self.job_env, **self.options.env}
         return child_env(extra)
 
@@ -319,7 +319,7 @@ class VllmStack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def __enter__(self) -> VllmStack:
         return self.start()
