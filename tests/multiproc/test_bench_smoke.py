@@ -8,9 +8,12 @@ Timings are not asserted here (they belong to docs/benchmarks.md).
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,10 +29,14 @@ REQUIRED = (
 @pytest.mark.timeout(400)
 def test_kvown_bench_quick_writes_every_metric(tmp_path) -> None:
     out = tmp_path / "bench.json"
+    workdirs = os.path.join(tempfile.gettempdir(), "kvown-bench-*")
+    before = set(glob.glob(workdirs))
     proc = subprocess.run([sys.executable, "-m", "kvown", "bench", "--quick", "--json", str(out),
                            "--plot", str(tmp_path / "bench.png"), "--timeout-s", "380"],
                           capture_output=True, text=True, timeout=390)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    left = set(glob.glob(workdirs)) - before
+    assert not left, f"the JSON holds every step's figures, yet the run left {sorted(left)}"
     result = json.loads(out.read_text())
     metrics = result["metrics"]
     missing = [k for k in REQUIRED if metrics.get(k) is None]

@@ -14,13 +14,15 @@ Output: ``--json PATH`` writes ``{"metrics": {...}, "targets": {...}, "environme
 ``w2_violations_kvown``, ``w2_violations_raw``, ``engine_cpu_us_per_session`` (total, per side),
 ``kvown_cpu_us_per_session`` (the same minus NIXL calls), ``w5_failstop_s``, ``fence_bytes_per_id``,
 ``scale_cost_ratio`` and ``build``. ``--plot PATH``: ratio bars (W1, and every metric
-against its target) and CDFs (W2 cancel -> retired).
+against its target) and CDFs (W2 cancel -> retired). Every step writes under one directory (``--out``,
+else a temporary one, removed at the end when ``--json`` holds the steps' JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     with progress(len(plan), "kvown bench", args.progress) as bar:
         for label, name, extra in plan:
             path = out / f"{label}.json"
-            cmd = build_command(name, ["--json", str(path), *(["--quick"] if args.quick else [])],
+            own = ["--out", str(out / label)] if name == "frozen" else []  # its worlds' files, beside the JSON
+            cmd = build_command(name, ["--json", str(path), *own, *(["--quick"] if args.quick else [])],
                                 quick=args.quick, fixed=tuple(extra))
             commands.append(" ".join(cmd))
             if args.dry_run:
@@ -182,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, result)
     if args.plot:
         plot(result, args.plot)
-    return 0 if all(c == 0 for c in codes.values()) and len(raw) == len(plan) else 1
+    ok = all(c == 0 for c in codes.values()) and len(raw) == len(plan)
+    if args.json and not args.out and ok:  # the JSON holds every step's figures: nothing else to keep
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        print(f"  each step's files: {out}")
+    return 0 if ok else 1
 
 
 def plot(r: dict[str, Any], path: str) -> None:
