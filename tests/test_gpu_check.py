@@ -30,7 +30,8 @@ def functions(snippet: str) -> subprocess.CompletedProcess[str]:
     """Run ``snippet`` with the script's functions loaded (GPU_CHECK_SOURCE_ONLY=1: no mode runs)."""
     return run(
         "-c",
-        f"source {SCRIPT}; PY={sys.executable}; OUT=$(mktemp -d); START=0; {snippet}",
+        f"source {SCRIPT}; PY={sys.executable}; OUT=$(mktemp -d); trap 'rm -rf \"$OUT\"' EXIT; START=0; "
+        f"{snippet}",
         env={"GPU_CHECK_SOURCE_ONLY": "1"},
         timeout=120,
     )
