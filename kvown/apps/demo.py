@@ -178,22 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     rc = _run_with_progress(cmd, env, workdir, out, args)
     wall_s = time.monotonic() - t0
     flights = sorted(glob.glob(os.path.join(flight_dir, "kvown-flight-rank*.jsonl")))
-    if args.fault:  # the report names the flight recorders: the directory stays while it holds them
+    if args.fault:
         status = _report_fault(rc, wall_s, flights, timeout_s)
-        keep = any(os.path.dirname(path) == workdir for path in flights)
     elif rc != 0 or not os.path.exists(out):
         print(f"kvown demo: the world failed (exit code {rc}); flight recorders: {flights or 'none'}", file=sys.stderr)
         for path in flights:
             print(f"  {path}: {_fail_stop_reason(path)}", file=sys.stderr)
-        status, keep = 1, False
+        status = 1
     else:
         with open(out) as f:
             summary = summarize(json.load(f), wall_s, args)
-        status, keep = _report(summary, args), False
-    if status == 0 and not keep:  # rule 4
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif status != 0:
+        status = _report(summary, args)
+    named = args.fault and any(os.path.dirname(path) == workdir for path in flights)  # the report names them
+    if status != 0:  # rule 4
         print(f"kvown demo: the world's log and results are kept in {workdir}", file=sys.stderr)
+    elif not named:
+        shutil.rmtree(workdir, ignore_errors=True)
     return status
 
 

@@ -8,14 +8,13 @@ Timings are not asserted here (they belong to docs/benchmarks.md).
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
+
+from worldkit import left_in_tmp
 
 REQUIRED = (
     "w1_throughput_ratio_vs_raw_1mib", "w1_throughput_ratio_vs_raw_4mib", "w2_retire_p50_over_bound",
@@ -29,14 +28,12 @@ REQUIRED = (
 @pytest.mark.timeout(400)
 def test_kvown_bench_quick_writes_every_metric(tmp_path) -> None:
     out = tmp_path / "bench.json"
-    workdirs = os.path.join(tempfile.gettempdir(), "kvown-bench-*")
-    before = set(glob.glob(workdirs))
-    proc = subprocess.run([sys.executable, "-m", "kvown", "bench", "--quick", "--json", str(out),
-                           "--plot", str(tmp_path / "bench.png"), "--timeout-s", "380"],
-                          capture_output=True, text=True, timeout=390)
+    with left_in_tmp("kvown-bench-") as left:
+        proc = subprocess.run([sys.executable, "-m", "kvown", "bench", "--quick", "--json", str(out),
+                               "--plot", str(tmp_path / "bench.png"), "--timeout-s", "380"],
+                              capture_output=True, text=True, timeout=390)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    left = set(glob.glob(workdirs)) - before
-    assert not left, f"the JSON holds every step's figures, yet the run left {sorted(left)}"
+    assert not left, f"the JSON holds every step's figures, yet the run left {left}"
     result = json.loads(out.read_text())
     metrics = result["metrics"]
     missing = [k for k in REQUIRED if metrics.get(k) is None]

@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import shutil
 import sys
-import tempfile
 
 import pytest
 
-from worldkit import run
+from worldkit import left_in_tmp, run
 
 DEMO = [sys.executable, "-m", "kvown.apps.demo"]
-WORKDIRS = os.path.join(tempfile.gettempdir(), "kvown-demo-*")
+WORKDIR = "kvown-demo-"  # the prefix of the demo's work directory in the temp dir
 
 
 def demo(tmp_path, *args: str, timeout_s: float = 180):
     """(proc, report, left): ``left`` names the work directories the run left in the temp dir, which
     are then removed (a clean world must leave none; a failed one keeps its log and says where)."""
     out = tmp_path / "report.json"
-    before = set(glob.glob(WORKDIRS))
-    proc = run(DEMO + ["--json", str(out), *args], timeout_s, env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
+    with left_in_tmp(WORKDIR) as left:
+        proc = run(DEMO + ["--json", str(out), *args], timeout_s, env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
     report = json.loads(out.read_text()) if out.exists() else None
-    left = sorted(set(glob.glob(WORKDIRS)) - before)
     for path in left:
         shutil.rmtree(path, ignore_errors=True)
     return proc, report, left
@@ -101,11 +97,11 @@ def test_demo_with_a_slow_network_catches_a_receiver_that_retires_on_cancel(tmp_
 @pytest.mark.multiproc
 @pytest.mark.timeout(120)
 def test_demo_stuck_writer_fail_stops_the_world_at_the_deadline(tmp_path):
-    before = set(glob.glob(WORKDIRS))
-    proc = run(DEMO + ["--ranks", "2", "--requests", "100", "--fault", "stuck-writer"], 100,
-               env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
+    with left_in_tmp(WORKDIR) as left:
+        proc = run(DEMO + ["--ranks", "2", "--requests", "100", "--fault", "stuck-writer"], 100,
+                   env={"KVOWN_FLIGHT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert set(glob.glob(WORKDIRS)) == before, "the recorders are in KVOWN_FLIGHT_DIR: nothing else to keep"
+    assert left == [], "the recorders are in KVOWN_FLIGHT_DIR: nothing else to keep"
     assert "world exit code       75" in proc.stdout
     flights = sorted(tmp_path.glob("kvown-flight-rank*.jsonl"))
     assert flights, "no flight recorder was written"

@@ -1,10 +1,14 @@
-"""Helpers for tests that launch real worlds: the venv's mpirun, hard timeouts, captured output."""
+"""Helpers for tests that launch real worlds: the venv's mpirun, hard timeouts, captured output, and what a
+run left in the temp dir."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,3 +38,12 @@ def run(cmd: list[str], timeout_s: float, env: dict | None = None) -> subprocess
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"world did not finish in {timeout_s} s: {cmd}\n{out}\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def left_in_tmp(prefix: str):
+    """Yield a list that, once the block ends, names the ``prefix*`` entries it added to the temp dir."""
+    pattern = os.path.join(tempfile.gettempdir(), f"{prefix}*")
+    before, left = set(glob.glob(pattern)), []
+    yield left
+    left.extend(sorted(set(glob.glob(pattern)) - before))

@@ -30,6 +30,7 @@ class Workload:
     args: tuple[str, ...] = ()  # fixed options that select the workload inside the module
     script: str | None = None  # benchmarks/<script> of a checkout (rule 1: checkout-only workloads)
     quick_ranks: int | None = None  # ranks under --quick, when fewer
+    workdir: bool = False  # takes ``--out DIR`` for the files of its worlds (else it makes a temp dir)
 
 
 REGISTRY: dict[str, Workload] = {
@@ -39,7 +40,8 @@ REGISTRY: dict[str, Workload] = {
     "fanin": Workload("kvown.apps.benchmarks.world", 4, "W3 fan-in, 1-3 writers", ("--workloads", "w3"), quick_ranks=3),
     "descriptors": Workload("kvown.apps.benchmarks.cost", None, "W4 descriptor sweep, 16-256 tokens per block",
                             ("--parts", "w4")),
-    "frozen": Workload("kvown.apps.benchmarks.frozen", None, "W5 frozen writer: deadline -> world gone, nothing retired early"),
+    "frozen": Workload("kvown.apps.benchmarks.frozen", None, "W5 frozen writer: deadline -> world gone, nothing retired early",
+                       workdir=True),
     "cost": Workload("kvown.apps.benchmarks.cost", None, "engine CPU per session, scale (10k sessions, 1M fences), fence",
                      ("--parts", "engine,scale,fence")),
     "fence": Workload("kvown.apps.benchmarks.cost", None, "cancellation fence: bytes per fenced id at 1M ids",

@@ -134,7 +134,7 @@ def judge(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvown.apps.benchmarks.registry import build_command, run_bounded
+    from kvown.apps.benchmarks.registry import REGISTRY, build_command, run_bounded
 
     ap = argparse.ArgumentParser(prog="kvown bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     with progress(len(plan), "kvown bench", args.progress) as bar:
         for label, name, extra in plan:
             path = out / f"{label}.json"
-            own = ["--out", str(out / label)] if name == "frozen" else []  # its worlds' files, beside the JSON
+            own = ["--out", str(out / label)] if REGISTRY[name].workdir else []  # beside the step's JSON
             cmd = build_command(name, ["--json", str(path), *own, *(["--quick"] if args.quick else [])],
                                 quick=args.quick, fixed=tuple(extra))
             commands.append(" ".join(cmd))
