@@ -56,6 +56,7 @@ _EXPORTS = {
     "Region": "kvown.cache.space",
     "Role": "kvown.adapters.transport",
     "build_info": "kvown.runtime.build",
+    "interpreter_info": "kvown.runtime.build",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import kvown
-from kvown.runtime.build import HOT_PATH, build_info, is_compiled
+from kvown.runtime.build import HOT_PATH, build_info, is_compiled, libpython_linkage
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPILED_DIR = pathlib.Path(os.environ.get("KVOWN_COMPILED_DIR", ROOT / "build" / "compiled"))
@@ -110,3 +110,49 @@ def test_both_builds_drive_the_simulator_to_the_same_decisions() -> None:
 def test_is_compiled_reads_the_imported_file() -> None:
     assert is_compiled("kvown.runtime.build") is False  # never compiled: not in HOT_PATH
     assert "kvown.runtime.build" not in HOT_PATH and kvown.build_info() == build_info()
+
+
+@pytest.mark.timeout(60)
+def test_libpython_linkage_reads_what_is_mapped() -> None:
+    shared = "7f1e2000-7f1e3000 r-xp 0 fd:00 42 /root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0\n"
+    static = "55d0c000-55d0d000 r-xp 0 fd:00 7 /usr/bin/python3.11\n7f00-7f01 r-xp 0 fd:00 9 /lib/libc.so.6\n"
+    assert libpython_linkage(shared) == "shared"
+    assert libpython_linkage(static) == "static"
+    assert libpython_linkage(None) == "unknown"
+
+
+def _interpreters() -> dict[str, str]:
+    """Each distinct Python 3.11+ executable here (by real path): this run's, and the ones on PATH."""
+    import shutil
+
+    found = {os.path.realpath(sys.executable): sys.executable}
+    for name in ("python3", "python3.11", "python3.12", "python3.13"):
+        for directory in ("/usr/bin", "/usr/local/bin"):
+            path = shutil.which(name, path=directory)
+            if path is not None:
+                found.setdefault(os.path.realpath(path), path)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_interpreter_linkage_agrees_with_the_dynamic_linker() -> None:
+    """Read live in each interpreter here (build.py is standard library only, rule 2), against ``ldd`` of its
+    executable: a libpython the loader links is the one the process maps."""
+    import shutil
+
+    if shutil.which("ldd") is None or not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("needs ldd and /proc (Linux)")
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.interpreter_info()['libpython'])")
+    seen = {}
+    for real, exe in _interpreters().items():
+        probe = subprocess.run([exe, "-I", "-c", code, str(ROOT / "kvown" / "runtime" / "build.py")],
+                               capture_output=True, text=True, timeout=60)
+        if probe.returncode != 0:  # an older Python on PATH: not ours to judge
+            continue
+        ldd = subprocess.run(["ldd", real], capture_output=True, text=True, timeout=30)
+        linked = "libpython3" in ldd.stdout
+        seen[real] = probe.stdout.strip()
+        assert seen[real] == ("shared" if linked else "static"), (real, seen[real])
+    assert os.path.realpath(sys.executable) in seen, seen

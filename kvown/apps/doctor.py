@@ -80,10 +80,14 @@ def _problem(name: str, detail: str, fix: str, *, required: bool = True) -> Chec
 
 
 def check_python() -> CheckResult:
+    """The version, and where CPython's own code lives (kvown.interpreter_info): a plain shared-libpython
+    build runs kvown's step ~20 % slower than a static PGO one (docs/benchmarks.md); said, not judged."""
+    import kvown
+
     version = ".".join(str(part) for part in sys.version_info[:3])
     if sys.version_info[:2] < MIN_PYTHON:
         return _problem("python", f"{version} is too old", "use Python 3.11 or newer")
-    return _ok("python", f"{version} ({sys.executable})")
+    return _ok("python", f"{version} ({sys.executable}; libpython {kvown.interpreter_info()['libpython']})")
 
 
 def check_torch() -> CheckResult:

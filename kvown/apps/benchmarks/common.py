@@ -153,6 +153,8 @@ def environment(seed: int | None = None) -> dict[str, Any]:
         "ucx": ucx_version(), "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "nixl_progress_thread": False, "memory": "DRAM (CPU)", "gpu": _gpu(),
         "kvown_build": kvown.build_info()["build"],  # compiled (mypyc) / interpreted hot path
+        "python_executable": sys.executable,
+        "libpython": kvown.interpreter_info()["libpython"],  # shared / static (build.py rule 3)
     }
     try:
         from mpi4py import MPI

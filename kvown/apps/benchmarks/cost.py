@@ -662,7 +662,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> None:
     e = r["environment"]
-    print(f"cost  python {e['python']}  nixl {e['nixl']}  ucx {e['ucx']}  cpus={e['cpus']}  load={e['loadavg'][0]}")
+    print(f"cost  python {e['python']} (libpython {e.get('libpython', '?')})  nixl {e['nixl']}  "
+          f"ucx {e['ucx']}  cpus={e['cpus']}  load={e['loadavg'][0]}")
     for key in ("engine", "engine_4mib", "engine_no_carry", "engine_no_batch"):
         if key in r:
             m = r[key]

@@ -683,7 +683,8 @@ def _parse_size(text: str) -> int:
 
 def report(r: dict[str, Any]) -> None:
     e = r["environment"]
-    print(f"world ranks={r['ranks']}  python {e['python']}  nixl {e['nixl']}  ucx {e['ucx']}  cpus={e['cpus']}  "
+    print(f"world ranks={r['ranks']}  python {e['python']} (libpython {e.get('libpython', '?')})  "
+          f"nixl {e['nixl']}  ucx {e['ucx']}  cpus={e['cpus']}  "
           f"load={e['loadavg'][0]}  block={r['block_nbytes'] // KIB} KiB  wall={r['wall_s']} s")
     hp = r.get("huge_pages", {})
     print(f"memory: {'2 MiB huge pages' if hp.get('advised') else '4 KiB pages'} on both sides "
