@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -122,9 +123,7 @@ def test_libpython_linkage_reads_what_is_mapped() -> None:
 
 
 def _interpreters() -> dict[str, str]:
-    """Each distinct Python 3.11+ executable here (by real path): this run's, and the ones on PATH."""
-    import shutil
-
+    """Each distinct Python executable (by real path): this run's, those in /usr/bin and /usr/local/bin."""
     found = {os.path.realpath(sys.executable): sys.executable}
     for name in ("python3", "python3.11", "python3.12", "python3.13"):
         for directory in ("/usr/bin", "/usr/local/bin"):
@@ -138,8 +137,6 @@ def _interpreters() -> dict[str, str]:
 def test_interpreter_linkage_agrees_with_the_dynamic_linker() -> None:
     """Read live in each interpreter here (build.py is standard library only, rule 2), against ``ldd`` of its
     executable: a libpython the loader links is the one the process maps."""
-    import shutil
-
     if shutil.which("ldd") is None or not pathlib.Path("/proc/self/maps").exists():
         pytest.skip("needs ldd and /proc (Linux)")
     code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('b', sys.argv[1]); "
