@@ -84,10 +84,10 @@ def check_python() -> CheckResult:
     build runs kvown's step ~20 % slower than a static PGO one (docs/benchmarks.md); said, not judged."""
     import kvown
 
-    version = ".".join(str(part) for part in sys.version_info[:3])
+    info = kvown.interpreter_info()
     if sys.version_info[:2] < MIN_PYTHON:
-        return _problem("python", f"{version} is too old", "use Python 3.11 or newer")
-    return _ok("python", f"{version} ({sys.executable}; libpython {kvown.interpreter_info()['libpython']})")
+        return _problem("python", f"{info['python']} is too old", "use Python 3.11 or newer")
+    return _ok("python", f"{info['python']} ({info['executable']}; libpython {info['libpython']})")
 
 
 def check_torch() -> CheckResult:

@@ -144,6 +144,7 @@ def environment(seed: int | None = None) -> dict[str, Any]:
 
     import torch
 
+    build = kvown.build_info()  # one read of the imports and of /proc/self/maps
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.system()} {platform.release()}",
@@ -152,9 +153,9 @@ def environment(seed: int | None = None) -> dict[str, Any]:
         "kvown": ver("kvown"), "msgpack": ver("msgpack"), "numpy": ver("numpy"), "mpi4py": ver("mpi4py"),
         "ucx": ucx_version(), "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "nixl_progress_thread": False, "memory": "DRAM (CPU)", "gpu": _gpu(),
-        "kvown_build": kvown.build_info()["build"],  # compiled (mypyc) / interpreted hot path
-        "python_executable": sys.executable,
-        "libpython": kvown.interpreter_info()["libpython"],  # shared / static (build.py rule 3)
+        "kvown_build": build["build"],  # compiled (mypyc) / interpreted hot path
+        "python_executable": build["interpreter"]["executable"],
+        "libpython": build["interpreter"]["libpython"],  # shared / static (build.py rule 3)
     }
     try:
         from mpi4py import MPI
