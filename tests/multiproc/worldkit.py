@@ -7,24 +7,19 @@ import contextlib
 import glob
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from kvown.adapters.mpirun import kill_session
+from kvown.adapters.mpirun import kill_session, mpirun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLDS = Path(__file__).resolve().parent / "worlds"
 
 
 def mpirun(n: int) -> list[str]:
-    launcher = Path(sys.executable).parent / "mpirun"
-    cmd = [str(launcher) if launcher.exists() else "mpirun", "--oversubscribe", "-n", str(n)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    return cmd
+    return mpirun_command(n)
 
 
 def run(cmd: list[str], timeout_s: float, env: dict | None = None) -> subprocess.CompletedProcess:

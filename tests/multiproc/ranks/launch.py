@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvown.adapters.mpi import process_alive
+from kvown.adapters.mpirun import mpirun_command
 
 RANK_SCRIPT = Path(__file__).with_name("failstop_rank.py")
 REPO_ROOT = Path(__file__).resolve().parents[3]
-MPIRUN = str(Path(sys.executable).parent / "mpirun")
 
 
 @dataclass
@@ -54,8 +54,7 @@ def run_world(
 ) -> WorldRun:
     """Run one job to its end; poll (2 ms) until the launcher exited and every rank PID is gone."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, str(RANK_SCRIPT),
-           scenario, str(out_dir), *extra_args]
+    cmd = [*mpirun_command(n), sys.executable, str(RANK_SCRIPT), scenario, str(out_dir), *extra_args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     result = WorldRun(returncode=None, out_dir=out_dir)
     with open(out_dir / "mpirun.stdout", "wb") as so, open(out_dir / "mpirun.stderr", "wb") as se:
