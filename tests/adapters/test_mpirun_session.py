@@ -148,3 +148,40 @@ def test_mutant_a_sweep_that_thinks_every_creator_alive_is_caught(monkeypatch):
         assert path not in mpirun.sweep_launch_dirs() and Path(path).exists()
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+@pytest.mark.skipif(find_mpirun() is None, reason="needs mpirun")
+@pytest.mark.timeout(120)
+def test_stale_session_dirs_names_the_dead_and_the_reused_pids_not_a_running_launch(tmp_path):
+    cmd = mpirun_command(1)
+    base = Path(_base(cmd))
+    launch = subprocess.Popen([*cmd, "sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        for _ in range(300):  # bounded: the launcher makes its session directory at start-up
+            if (base / f"ompi.{launch.pid}").is_dir():
+                break
+            time.sleep(0.05)
+        assert (base / f"ompi.{launch.pid}").is_dir()
+        dead, reused = base / f"ompi.{_dead_pid()}", base / f"prted.{os.getpid()}"  # this pid runs python
+        dead.mkdir()
+        reused.mkdir()
+        (base / "ompi.vm.0").mkdir()  # not a per-launch name
+        assert mpirun.stale_session_dirs(str(base)) == sorted([str(dead), str(reused)])
+    finally:
+        mpirun.kill_group(launch)
+
+
+def test_mutant_a_finder_that_trusts_any_live_pid_misses_the_reused_one(tmp_path, monkeypatch):
+    reused = tmp_path / f"ompi.{os.getpid()}"
+    reused.mkdir()
+    assert mpirun.stale_session_dirs(str(tmp_path)) == [str(reused)]
+    # the mutant: any live pid is taken for the launcher that made the directory
+    monkeypatch.setattr(mpirun, "_command_name", lambda pid: "mpirun" if mpirun.process_alive(pid) else "")
+    assert mpirun.stale_session_dirs(str(tmp_path)) == []  # missed: the reuse is what the name check catches
