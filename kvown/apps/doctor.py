@@ -162,7 +162,8 @@ def check_mpirun() -> CheckResult:
         f"{path}; {len(stale)} stale Open MPI session director{'y' if len(stale) == 1 else 'ies'} "
         f"({', '.join(stale[:2])}"
         f"{', ...' if len(stale) > 2 else ''})",
-        "remove the stale ones (no launcher runs under their pids): a plain mpirun that gets one of them dies with "
+        "remove the stale ones (no launcher runs under their pids): a plain mpirun that gets one of them "
+        "dies with "
         "\"PMIx server's listener thread failed to start\"",
     )
 

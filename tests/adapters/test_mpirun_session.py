@@ -37,12 +37,14 @@ def _in_fresh_pid_namespace(script: str, timeout_s: float = 60) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout_s)
 
 
-def _killed_then_relaunched(first: list[str], second: list[str], started: Path) -> subprocess.CompletedProcess:
+def _killed_then_relaunched(first: list[str], second: list[str], started: Path
+                            ) -> subprocess.CompletedProcess:
     """Launch ``first`` (pid 2), SIGKILL it once its rank runs, then launch ``second`` (pid 2 again)."""
     rank = f"touch {shlex.quote(str(started))}; sleep 30"
     killed = _in_fresh_pid_namespace(
         f"{shlex.join(first)} -n 1 sh -c {shlex.quote(rank)} & launcher=$!; "
-        f"i=0; while [ ! -e {shlex.quote(str(started))} ] && [ $i -lt 300 ]; do sleep 0.05; i=$((i+1)); done; "
+        f"i=0; while [ ! -e {shlex.quote(str(started))} ] && [ $i -lt 300 ]; "
+        "do sleep 0.05; i=$((i+1)); done; "
         "echo launcher=$launcher; kill -KILL $launcher")
     assert "launcher=2" in killed.stdout and started.exists(), killed
     return _in_fresh_pid_namespace(f"{shlex.join(second)} -n 1 true & launcher=$!; echo launcher=$launcher; "
@@ -102,7 +104,8 @@ if sys.argv[1] == "hang":
 
 
 def _creator(mode: str) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     proc = subprocess.Popen([sys.executable, "-c", CREATOR, mode], stdout=subprocess.PIPE, text=True, env=env)
     with proc.stdout:
         path, made = proc.stdout.readline().split()
