@@ -1,7 +1,8 @@
 """MPI adapter: the qualified communicator that the fail-stop path aborts.
 
 Owns: the startup checks that make ``comm.Abort`` a safe, world-aligned kill route from a background
-thread, and the per-rank (host, pid, start time) table used by the same-host SIGKILL sweep.
+thread, the per-rank (host, pid, start time) table used by the same-host SIGKILL sweep, and the
+``/proc`` readers behind it (``process_alive``, ``process_start_ticks``, ``process_name``).
 
 Rules:
   1. ``qualify_world`` runs once per process at startup, on every rank (it ends with a collective
@@ -86,6 +87,15 @@ def process_start_ticks(pid: int) -> int | None:
         return int(fields[19]) if fields is not None else None  # field 22 overall; fields[0] is field 3
     except (IndexError, ValueError):
         return None
+
+
+def process_name(pid: int) -> str:
+    """The command name of ``pid`` (``/proc/PID/comm``), "" when unknown (no /proc, or gone)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def process_alive(pid: int, start_ticks: int | None = None) -> bool:

@@ -32,15 +32,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvown.adapters.mpi import process_alive, process_start_ticks
+from kvown.adapters.mpi import process_alive, process_name, process_start_ticks
 
 
 # Open MPI start-up failures that happen before any rank exists (seen on CI: PMIx's listener thread,
 # whose cause, a dead launcher's session files under a reused pid, rule 5 removes).
 LAUNCHER_START_FAILURES = ("PMIx server's listener thread failed to start",)
 LAUNCH_DIR_PREFIX = "kvown-mpi-"  # rule 5: kvown-mpi-<creator pid>-<creator start ticks>-<random>
-_own_launch_dirs: list[str] = []
 LAUNCHER_NAMES = ("mpirun", "mpiexec", "prterun", "prted")  # what may own an Open MPI session directory
+_own_launch_dirs: list[str] = []
 
 
 def launcher_failed_to_start(log_text: str, ranks_started: bool) -> bool:
@@ -71,8 +71,6 @@ def mpirun_command(ranks: int) -> list[str]:
 def launch_dir() -> str:
     """A fresh directory for one launch's Open MPI session files (rule 5); stale ones are swept first."""
     sweep_launch_dirs()
-    if not _own_launch_dirs:
-        atexit.register(remove_own_launch_dirs)
     me = os.getpid()
     path = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{me}-{process_start_ticks(me) or 0}-")
     _own_launch_dirs.append(path)
@@ -83,6 +81,9 @@ def remove_own_launch_dirs() -> None:
     """Remove every launch directory this process made (at exit; its launches are over by then)."""
     while _own_launch_dirs:
         shutil.rmtree(_own_launch_dirs.pop(), ignore_errors=True)
+
+
+atexit.register(remove_own_launch_dirs)  # a no-op for a process that launched nothing
 
 
 def sweep_launch_dirs() -> list[str]:
@@ -108,16 +109,9 @@ def stale_session_dirs(tmp: str | None = None) -> list[str]:
     for entry in os.scandir(base):
         kind, _, pid = entry.name.partition(".")
         if kind in ("ompi", "prted") and pid.isdigit() and entry.is_dir(follow_symlinks=False):
-            if _command_name(int(pid)) not in LAUNCHER_NAMES:
+            if process_name(int(pid)) not in LAUNCHER_NAMES:
                 stale.append(entry.path)
     return sorted(stale)
-
-
-def _command_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def session_pids(sid: int) -> list[int]:

@@ -157,15 +157,11 @@ def check_mpirun() -> CheckResult:
     if not stale:
         return _ok("mpirun", str(path))
     # kvown's own launches use fresh session directories (kvown/adapters/mpirun.py rule 5): not a PROBLEM
-    return CheckResult(
-        "mpirun", CheckStatus.OK, True,
-        f"{path}; {len(stale)} stale Open MPI session director{'y' if len(stale) == 1 else 'ies'} "
-        f"({', '.join(stale[:2])}"
-        f"{', ...' if len(stale) > 2 else ''})",
-        "remove the stale ones (no launcher runs under their pids): a plain mpirun that gets one of them "
-        "dies with "
-        "\"PMIx server's listener thread failed to start\"",
-    )
+    named = ", ".join(stale[:2]) + (", ..." if len(stale) > 2 else "")
+    count = f"{len(stale)} stale Open MPI session director{'y' if len(stale) == 1 else 'ies'}"
+    fix = ("remove the stale ones (no launcher runs under their pids): a plain mpirun that gets one of them "
+           "dies with \"PMIx server's listener thread failed to start\"")
+    return CheckResult("mpirun", CheckStatus.OK, True, f"{path}; {count} ({named})", fix)
 
 
 def check_cupy() -> CheckResult:

@@ -92,10 +92,10 @@ def test_mutant_one_base_for_every_launch_is_caught(tmp_path, monkeypatch):
 
 
 CREATOR = """
-import os, sys, time
+import atexit, os, sys, time
 from kvown.adapters import mpirun
 if sys.argv[1] == "mutant":
-    mpirun.remove_own_launch_dirs = lambda: None
+    atexit.unregister(mpirun.remove_own_launch_dirs)
 path = mpirun.launch_dir()
 print(path, os.path.isdir(path), flush=True)
 if sys.argv[1] == "hang":
@@ -186,5 +186,5 @@ def test_mutant_a_finder_that_trusts_any_live_pid_misses_the_reused_one(tmp_path
     reused.mkdir()
     assert mpirun.stale_session_dirs(str(tmp_path)) == [str(reused)]
     # the mutant: any live pid is taken for the launcher that made the directory
-    monkeypatch.setattr(mpirun, "_command_name", lambda pid: "mpirun" if mpirun.process_alive(pid) else "")
+    monkeypatch.setattr(mpirun, "process_name", lambda pid: "mpirun" if mpirun.process_alive(pid) else "")
     assert mpirun.stale_session_dirs(str(tmp_path)) == []  # missed: the reuse is what the name check catches
