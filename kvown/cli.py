@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kvown.apps.bench:main", "run the reproducible benchmarks (JSON + PNG output)"),
     "qualify": ("kvown.apps.qualify:main", "qualify a deployment: scenarios, UCX transports, fail-stop"),
     "doctor": ("kvown.apps.doctor:main", "print what this machine offers, one line per part"),
-    "inspect": ("kvown.apps.inspect:inspect_main", "read a flight-recorder dump"),
+    "inspect": ("kvown.apps.inspect:inspect_main", "read flight-recorder dumps (--hops: time across ranks)"),
     "serve": ("kvown.apps.serve.cli:main", "reference disaggregated server: prefill|decode|single|router|local"),
 }
 

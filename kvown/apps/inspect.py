@@ -3,7 +3,8 @@
 Owns: the report. It opens with why the rank stopped and what was open at the dump - each open
 session, its writers, the proof still missing, how long it had been open and how long since its last
 event - then the events oldest to newest, then the threads' stacks. ``--json`` prints the summary for
-machines.
+machines. ``--hops`` reads the dumps of several ranks together: where sessions' time went
+(``kvown.apps.hops``).
 
 Rules:
   1. The summary comes from the dump's ``open_session`` lines (the cores' own state at the dump). A
@@ -22,7 +23,7 @@ from typing import Any
 
 from kvown.runtime.flight import read_flight_file
 
-USAGE = "usage: kvown inspect [--json] FILE [FILE...]"
+USAGE = "usage: kvown inspect [--json] [--hops] FILE [FILE...]"
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -135,11 +136,13 @@ def inspect_main(argv: list[str] | None = None) -> int:
     and returns 2 (missing file, not a flight recorder dump).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in args
-    args = [a for a in args if a != "--json"]
+    as_json, hops = "--json" in args, "--hops" in args
+    args = [a for a in args if a not in ("--json", "--hops")]
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         return 2
+    if hops:
+        return _hops_main(args, as_json)
     status, summaries = 0, []
     for path in args:
         try:
@@ -154,3 +157,19 @@ def inspect_main(argv: list[str] | None = None) -> int:
     if as_json:
         print(json.dumps(summaries, indent=2, default=repr))
     return status
+
+
+def _hops_main(paths: list[str], as_json: bool) -> int:
+    """``--hops``: one table over every dump; 2 if any file is not a readable dump (nothing printed)."""
+    from kvown.apps.hops import format_hops, hop_report, load
+
+    dumps = []
+    for path in paths:
+        try:
+            dumps.append(load(read_flight_file(path)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"kvown inspect: {path}: not a readable flight recorder dump: {exc}", file=sys.stderr)
+            return 2
+    report = hop_report(dumps)
+    print(json.dumps(report, indent=2) if as_json else format_hops(report), end="" if not as_json else "\n")
+    return 0

@@ -48,6 +48,25 @@ def flight_file_name(rank: int, pid: int) -> str:
     return f"kvown-flight-rank{rank}-pid{pid}.jsonl"
 
 
+def clock_identity() -> str | None:
+    """What another rank's ``time.monotonic_ns`` must match to be the same clock: this boot
+    (``/proc/sys/kernel/random/boot_id``) and this time namespace's monotonic offset. None where /proc
+    does not say. Called: once per dump."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    offset = "0 0"  # no timens_offsets file: a kernel without time namespaces
+    try:
+        for line in Path("/proc/self/timens_offsets").read_text().splitlines():
+            name, *value = line.split()
+            if name in ("monotonic", "1"):
+                offset = " ".join(value)
+    except (OSError, ValueError):
+        pass
+    return f"monotonic boot {boot} offset {offset}"
+
+
 def default_flight_dir() -> Path:
     """``$KVOWN_FLIGHT_DIR`` if set and non-empty, else the current directory."""
     return Path(os.environ.get(FLIGHT_DIR_ENV) or os.getcwd())
@@ -227,6 +246,7 @@ class FlightRecorder:
             "detail": detail,
             "wall_time_s": time.time(),
             "mono_ns": time.monotonic_ns(),
+            "clock": clock_identity() if self._clock_ns is time.monotonic_ns else None,  # kvown.apps.hops
             "capacity": self.capacity,
             "dropped": self.dropped,
         }
