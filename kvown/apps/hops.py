@@ -15,6 +15,9 @@ Rules:
   2. A cross-rank pair that comes out negative proves the two clocks differ after all: every figure of
      that rank pair is dropped and the pair is reported as inconsistent.
   3. An event that fell out of its ring matches nothing and is not counted.
+  4. Several dumps of one rank process (a bench writes one per new slow session) are one ring read at
+     different times: their events are merged, each counted once. Two processes for one rank are two
+     worlds: refused (``ValueError``), as is an event line without its fields.
 """
 
 from __future__ import annotations
@@ -30,20 +33,41 @@ Pair = tuple[int, int]  # (from rank, to rank)
 
 @dataclass(frozen=True)
 class Dump:
-    """One rank's dump: its rank, its event clock's identity and its events, oldest first."""
+    """One rank's dump: its rank, process, event clock's identity and events, oldest first."""
 
     rank: int
+    pid: int
     clock: str | None
     events: list[dict[str, Any]]
 
 
 def load(records: list[dict[str, Any]]) -> Dump:
-    """A ``Dump`` of ``read_flight_file``'s records. After error: ``ValueError`` (no header)."""
+    """A ``Dump`` of ``read_flight_file``'s records. After error: ``ValueError`` naming what is missing."""
     header = next((r for r in records if r.get("type") == "header"), None)
     if header is None:
         raise ValueError("no header line")
-    events = sorted((r for r in records if r.get("type") == "event"), key=lambda e: e["t_ns"])
-    return Dump(int(header["rank"]), header.get("clock"), events)
+    events = [r for r in records if r.get("type") == "event"]
+    for ev in events:
+        if not (type(ev.get("t_ns")) is int and isinstance(ev.get("kind"), str)
+                and isinstance(ev.get("detail"), dict) and "request_id" in ev):
+            raise ValueError(f"an event line without t_ns, kind, request_id or detail: {ev}")
+    events.sort(key=lambda e: e["t_ns"])
+    return Dump(int(header["rank"]), int(header["pid"]), header.get("clock"), events)
+
+
+def merge(dumps: list[Dump]) -> list[Dump]:
+    """Rule 4: one ``Dump`` per rank, in rank order. After error: ``ValueError`` (two processes, one rank)."""
+    by_rank: dict[int, list[Dump]] = collections.defaultdict(list)
+    for d in dumps:
+        by_rank[d.rank].append(d)
+    out = []
+    for rank, same in sorted(by_rank.items()):
+        if len({(d.pid, d.clock) for d in same}) > 1:
+            raise ValueError(f"rank {rank} comes from more than one process: "
+                             "read one world's dumps at a time")
+        seen = {(e["t_ns"], e["kind"], e["request_id"]): e for d in same for e in d.events}
+        out.append(Dump(rank, same[0].pid, same[0].clock, sorted(seen.values(), key=lambda e: e["t_ns"])))
+    return out
 
 
 def comparable(a: Dump, b: Dump) -> bool:
@@ -84,7 +108,7 @@ def cross_hops(dumps: list[Dump]) -> dict[Pair, dict[str, list[int]]]:
     for d in dumps:
         for ev in d.events:
             det = ev["detail"]
-            if ev["kind"] == "send":
+            if ev["kind"] == "send" and "dst" in det and "seq" in det:
                 key = _frame_key(d.rank, det["dst"], det["seq"])
                 sent.setdefault(key, ev["t_ns"])  # a resent frame keeps its first send
             elif ev["kind"] == "post" and det.get("carried") and ev["request_id"] is not None:
@@ -96,7 +120,7 @@ def cross_hops(dumps: list[Dump]) -> dict[Pair, dict[str, list[int]]]:
             src = det.get("src")
             if src not in by_rank or not comparable(by_rank[src], d):
                 continue
-            if ev["kind"] == "recv" and _frame_key(src, d.rank, det["seq"]) in sent:
+            if ev["kind"] == "recv" and _frame_key(src, d.rank, det.get("seq")) in sent:
                 t0 = sent[_frame_key(src, d.rank, det["seq"])]
                 out[(src, d.rank)][f"frame {det['msg']} r{src} -> r{d.rank}"].append(ev["t_ns"] - t0)
             elif ev["kind"] == "recv_carried" and (ev["request_id"], src) in posted:
@@ -112,7 +136,9 @@ def _consistent(hops: dict[str, list[int]]) -> bool:
 
 
 def hop_report(dumps: list[Dump]) -> dict[str, Any]:
-    """The whole table as plain values (what ``--json`` prints): rows sorted by total time."""
+    """The whole table as plain values (what ``--json`` prints): rows sorted by total time.
+    After error: ``ValueError`` from ``merge``."""
+    dumps = merge(dumps)
     rows: dict[str, list[int]] = dict(stage_hops(dumps))
     inconsistent = []
     for pair, hops in sorted(cross_hops(dumps).items()):
@@ -120,7 +146,7 @@ def hop_report(dumps: list[Dump]) -> dict[str, Any]:
             inconsistent.append(list(pair))
             continue
         rows.update(hops)
-    ranks = sorted(d.rank for d in dumps)
+    ranks = [d.rank for d in dumps]
     by_rank = {d.rank: d for d in dumps}
     apart = [[a, b] for i, a in enumerate(ranks) for b in ranks[i + 1:]
              if not comparable(by_rank[a], by_rank[b])]

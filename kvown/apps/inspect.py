@@ -170,6 +170,10 @@ def _hops_main(paths: list[str], as_json: bool) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"kvown inspect: {path}: not a readable flight recorder dump: {exc}", file=sys.stderr)
             return 2
-    report = hop_report(dumps)
+    try:
+        report = hop_report(dumps)
+    except ValueError as exc:
+        print(f"kvown inspect --hops: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=2) if as_json else format_hops(report), end="" if not as_json else "\n")
     return 0

@@ -33,7 +33,7 @@ def _two_way(clock_1: str | None = CLOCK) -> list[Dump]:
     r1 = [_ev(1_050_000, "recv", 7, msg="REQUEST_DATA", src=0, seq=0, index=0),
           _ev(1_100_000, "post", 7, op=3, dst=0, carried=True), _ev(1_300_000, "post_returned", 7, op=3),
           _ev(1_475_000, "send", 7, dst=0, seq=0, msgs=1)]
-    return [Dump(0, CLOCK, r0), Dump(1, clock_1, r1)]
+    return [Dump(0, 100, CLOCK, r0), Dump(1, 101, clock_1, r1)]
 
 
 def _figures(report: dict) -> dict[str, tuple[int, float]]:
@@ -98,6 +98,30 @@ def test_mutant_without_the_negative_guard_is_caught(monkeypatch) -> None:
     dumps[1].events[0]["t_ns"] = 900_000
     with pytest.raises(AssertionError, match="negative figures: .*frame REQUEST_DATA r0 -> r1"):
         _check_never_negative(hop_report(dumps))
+
+
+def test_dumps_of_one_rank_process_merge_and_two_processes_are_refused(tmp_path, capsys) -> None:
+    """Rule 4: a bench writes a dump per new slow session, each holding the last ring; read together
+    they count each event once. Two processes claiming one rank are two worlds: exit 2, nothing printed."""
+    first, second = _two_way()
+    early = Dump(1, 101, CLOCK, second.events[:2])  # the same ring, dumped before the session ended
+    _check_two_way(hop_report([first, second, early]))
+    paths = []
+    for i, (rank, pid) in enumerate(((0, 100), (1, 101), (1, 999))):
+        path = tmp_path / f"d{i}.jsonl"
+        header = {"type": "header", "rank": rank, "pid": pid, "clock": CLOCK}
+        path.write_text(json.dumps(header) + "\n")
+        paths.append(str(path))
+    assert inspect_main(["--hops", *paths[:2]]) == 0
+    capsys.readouterr()
+    assert inspect_main(["--hops", *paths]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "rank 1 comes from more than one process" in err
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text(json.dumps({"type": "header", "rank": 0, "pid": 1}) + "\n"
+                    + json.dumps({"type": "event", "kind": "send"}) + "\n")
+    assert inspect_main(["--hops", str(junk)]) == 2
+    assert "without t_ns" in capsys.readouterr().err
 
 
 def test_clock_identity_names_this_boot() -> None:
