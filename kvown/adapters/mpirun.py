@@ -106,10 +106,11 @@ def stale_session_dirs(tmp: str | None = None) -> list[str]:
     the pid (rule 5). A pid that runs something else counts as stale: that is the reuse itself."""
     base = tmp or tempfile.gettempdir()
     stale = []
-    for entry in os.scandir(base):
-        kind, _, pid = entry.name.partition(".")
-        if kind in ("ompi", "prted") and pid.isdigit() and entry.is_dir(follow_symlinks=False):
-            if process_name(int(pid)) not in LAUNCHER_NAMES:
+    with os.scandir(base) as entries:
+        for entry in entries:
+            kind, _, pid = entry.name.partition(".")
+            if (kind in ("ompi", "prted") and pid.isdigit() and entry.is_dir(follow_symlinks=False)
+                    and process_name(int(pid)) not in LAUNCHER_NAMES):
                 stale.append(entry.path)
     return sorted(stale)
 

@@ -120,8 +120,8 @@ def cross_hops(dumps: list[Dump]) -> dict[Pair, dict[str, list[int]]]:
             src = det.get("src")
             if src not in by_rank or not comparable(by_rank[src], d):
                 continue
-            if ev["kind"] == "recv" and _frame_key(src, d.rank, det.get("seq")) in sent:
-                t0 = sent[_frame_key(src, d.rank, det["seq"])]
+            t0 = sent.get(_frame_key(src, d.rank, det.get("seq"))) if ev["kind"] == "recv" else None
+            if t0 is not None:
                 out[(src, d.rank)][f"frame {det['msg']} r{src} -> r{d.rank}"].append(ev["t_ns"] - t0)
             elif ev["kind"] == "recv_carried" and (ev["request_id"], src) in posted:
                 t0 = posted[(ev["request_id"], src)]
@@ -139,7 +139,7 @@ def hop_report(dumps: list[Dump]) -> dict[str, Any]:
     """The whole table as plain values (what ``--json`` prints): rows sorted by total time.
     After error: ``ValueError`` from ``merge``."""
     dumps = merge(dumps)
-    rows: dict[str, list[int]] = dict(stage_hops(dumps))
+    rows = stage_hops(dumps)
     inconsistent = []
     for pair, hops in sorted(cross_hops(dumps).items()):
         if not _consistent(hops):

@@ -175,5 +175,5 @@ def _hops_main(paths: list[str], as_json: bool) -> int:
     except ValueError as exc:
         print(f"kvown inspect --hops: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if as_json else format_hops(report), end="" if not as_json else "\n")
+    sys.stdout.write(json.dumps(report, indent=2) + "\n" if as_json else format_hops(report))
     return 0
