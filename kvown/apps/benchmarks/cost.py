@@ -143,11 +143,28 @@ class Pair:
                 break
 
     def close(self) -> None:
+        self.settle_frames()
         for t in self.transports.values():
             try:
                 t.close()
             except Exception:  # noqa: BLE001 - teardown of a benchmark
                 pass
+
+    def settle_frames(self, quiet_rounds: int = 32, max_rounds: int = 20_000) -> int:
+        """Progress both agents in turn until ``quiet_rounds`` rounds in a row bring no frame (at most
+        ``max_rounds``), dropping what arrives: a frame one side sent and the other never stepped for
+        (``_burst``) sits in the sender's UCX, and closing its peer first would cancel each one (NIXL logs
+        "UCX AM send failed with status -16" per frame). Each endpoint's own close flush cannot do this:
+        it progresses one agent while the other is not. Returns the frames dropped."""
+        endpoints = [t.endpoint for t in self.transports.values()]
+        dropped = quiet = 0
+        for _ in range(max_rounds):
+            got = sum(len(ep.drain_notifs()) for ep in endpoints)
+            dropped += got
+            quiet = 0 if got else quiet + 1
+            if quiet >= quiet_rounds:
+                break
+        return dropped
 
 
 class _Timed:
