@@ -41,6 +41,18 @@ def test_a_side_over_forty_microseconds_misses_the_target() -> None:
     assert suite.judge(metrics)["kvown_cpu_us_per_session"]["met"] is False
 
 
+@pytest.mark.timeout(10)
+def test_the_4mib_split_is_reported_beside_and_judges_nothing() -> None:
+    raw = raw_cost(sender_engine_us=100.0, sender_nixl_us=70.0)
+    big = {"engine_cpu_us": 400.0, "nixl_cpu_us": 340.0, "python_cpu_us": 60.0}
+    raw["cost"]["engine_breakdown_4mib"] = {"sender": big, "receiver": {**big, "python_cpu_us": 45.0}}
+    metrics = suite.metrics_of(raw)
+    assert metrics["kvown_cpu_us_per_session_sender_4mib"] == 60.0
+    assert metrics["kvown_cpu_us_per_session_receiver_4mib"] == 45.0
+    assert metrics["kvown_cpu_us_per_session"] == 30.0  # the target stays the 64 KiB session's
+    assert not any(key.startswith("kvown_cpu") and key.endswith("_4mib") for key in suite.judge(metrics))
+
+
 @pytest.mark.timeout(30)
 def test_gc_time_counts_the_collectors_passes() -> None:
     import gc

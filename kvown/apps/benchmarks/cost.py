@@ -237,20 +237,20 @@ class Rids:
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def nixl_breakdown(sessions: int, window: int, spec: PairSpec) -> dict[str, Any]:
-    """Per session and side: the CPU spent inside NIXL library calls, and the number of calls, so the
-    engine's own Python share is the engine figure minus this."""
+def nixl_breakdown(sessions: int, window: int, spec: PairSpec, nb: int = 1) -> dict[str, Any]:
+    """Per session of ``nb`` blocks and side: the CPU spent inside NIXL library calls, and the number of
+    calls, so the engine's own Python share is the engine figure minus this."""
     sinks: list[collections.Counter[str]] = [collections.Counter(), collections.Counter()]
     counts: list[collections.Counter[str]] = [collections.Counter(), collections.Counter()]
-    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, window)),
+    pair = Pair(replace(spec, num_blocks=max(spec.num_blocks, window * nb)),
                 wrap_agent=lambda rank, agent: _Timed(agent, sinks[rank], counts[rank]))
     try:
         rids = Rids()
-        pair.run(rids.take(100), 1, window)
+        pair.run(rids.take(100), nb, window)
         for counter in (*sinks, *counts):  # the warm-up's calls are nobody's figure
             counter.clear()
         pair.reset()
-        pair.run(rids.take(sessions), 1, window)
+        pair.run(rids.take(sessions), nb, window)
         in_sink_ns, in_all_ns = _timed_overhead_ns()
         out = {}
         for rank, side in ((0, "sender"), (1, "receiver")):
@@ -659,6 +659,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["engine_breakdown"] = nixl_breakdown(args.sessions, args.window, spec)
         out["engine_4mib"] = engine_cost(max(50, args.sessions // 8), args.window, 64, spec, args.reps,
                                          bar=args.progress)
+        # the same split for 4 MiB sessions: kvown's own CPU grows with the bytes the engine's core copies
+        # (UCX cma), not with the blocks (docs/benchmarks.md, issue 19 sixteenth pass)
+        out["engine_breakdown_4mib"] = nixl_breakdown(max(50, args.sessions // 8), args.window, spec, nb=64)
         if args.levers:
             out["engine_no_carry"] = engine_cost(args.sessions, args.window, 1, replace(spec, carry=False),
                                                  args.reps, bar=args.progress)
@@ -700,9 +703,9 @@ def report(r: dict[str, Any]) -> None:
         for mode, b in lv["burst"].items():
             print(f"    burst of {b['publications']} publications, {mode}: {b['frames']} frames, "
                   f"{b['cpu_us_per_publication']} us CPU each")
-    if "engine_breakdown" in r:
-        for side, b in r["engine_breakdown"].items():
-            print(f"  {side:8s} breakdown: {b['engine_cpu_us']} us = NIXL calls {b['nixl_cpu_us']} us "
+    for key, label in (("engine_breakdown", "breakdown"), ("engine_breakdown_4mib", "4 MiB")):
+        for side, b in r.get(key, {}).items():
+            print(f"  {side:8s} {label}: {b['engine_cpu_us']} us = NIXL calls {b['nixl_cpu_us']} us "
                   f"({', '.join(f'{k} {v}' for k, v in b['nixl_us_by_call'].items())}) + Python {b['python_cpu_us']} us")
     if "scale" in r:
         for p in r["scale"]["points"]:

@@ -106,6 +106,8 @@ def metrics_of(raw: dict[str, Any]) -> dict[str, Any]:
         for side in ("sender", "receiver"):
             m[f"kvown_cpu_us_per_session_{side}"] = parts[side]["python_cpu_us"]
             m[f"nixl_cpu_us_per_session_{side}"] = parts[side]["nixl_cpu_us"]
+    for side, part in cost.get("engine_breakdown_4mib", {}).items():  # no target: what a big copy costs it
+        m[f"kvown_cpu_us_per_session_{side}_4mib"] = part["python_cpu_us"]
     if "scale" in cost:
         m["scale_cost_ratio"] = cost["scale"]["scale_cost_ratio"]
     if "fence" in cost:
