@@ -85,7 +85,7 @@ class Raw:
         from kvown.adapters.nixl import MemKind, NixlEndpoint
         from kvown.cache.hostmem import device_bytes
 
-        self.comm, self.rank = comm, rank
+        self.comm, self.rank, self.nbytes = comm, rank, nbytes
         self.buf = device_bytes(nbytes, device, huge_pages=huge_pages).tensor.fill_(rank + 1)
         self.mem = MemKind.VRAM if self.buf.device.type == "cuda" else MemKind.DRAM
         self.device_id = self.buf.device.index or 0

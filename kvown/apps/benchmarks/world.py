@@ -477,12 +477,20 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
                  t_start + args.deadline_s, t_start, random.Random(args.seed), Rids(), result)
 
 
+def yard_sizes(w2_sizes: list[int], block: int, raw_nbytes: int) -> list[int]:
+    """The raw WRITE yardstick's sizes: W2's, and 64 KiB / 1 MiB / 4 MiB where they are whole blocks
+    (or under one) and fit the raw buffer, which is sized for the run's own sizes (a run of small sizes
+    only once wrote past it: NIXL_ERR_NOT_FOUND, and the world aborted)."""
+    fixed = {s for s in (64 * KIB, MIB, 4 * MIB) if (s % block == 0 or s < block) and s <= raw_nbytes}
+    return sorted(set(w2_sizes) | fixed)
+
+
 def yardsticks(b: Bench) -> None:
     """The notification RTT and one raw WRITE of each size (post -> DONE), before any workload."""
     args, comm, rank, raw, result = b.args, b.comm, b.rank, b.raw, b.result
     rtt = raw.rtt(args.rtt_iters, b.deadline)
-    yard_sizes = sorted(set(b.w2_sizes) | {s for s in (64 * KIB, MIB, 4 * MIB) if s % b.block == 0 or s < b.block})
-    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), b.deadline) for s in yard_sizes}
+    sizes = yard_sizes(b.w2_sizes, b.block, raw.nbytes)
+    write_ns = {s: raw.write_latency(s, max(50, args.rtt_iters // 10), b.deadline) for s in sizes}
     yard = comm.bcast({"notif_rtt": pct(rtt) if rank == RX else None} if rank == RX else None, root=RX)
     writes = comm.bcast({str(s): pct(v) for s, v in write_ns.items()} if rank == 1 else None, root=1)
     result["notif_rtt"], result["raw_write"] = yard["notif_rtt"], writes
