@@ -15,6 +15,8 @@ Rules:
      reported as exit status 124.
   4. ``kvown bench`` with no name runs the issue-12 suite (``kvown.apps.benchmarks.suite``): every
      workload against its baselines, one JSON object whose ``metrics`` map holds the headline figures.
+  5. An MPI world's options are parsed here first by its own ``parse_args`` (exit status 2 and its usage
+     on a bad one), so no world starts to fail in every rank at once.
 
 Adding a workload is one line in ``REGISTRY`` (``kvown/apps/benchmarks/registry.py``): a module with
 ``main(argv)``; ``ranks`` when it is an MPI world the launcher must start with ``mpirun``.
@@ -25,6 +27,7 @@ Called: once per process, from ``kvown.cli`` (main thread).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvown.apps.benchmarks import suite
 
         return suite.main([*extra, "--dry-run"])
+    _check_world_options(REGISTRY[args.name], extra)
     try:
         cmd = build_command(args.name, extra, quick=args.quick, ranks=args.ranks)
     except FileNotFoundError as exc:
@@ -68,6 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     timeout_s = args.timeout_s if args.timeout_s is not None else (3600.0 if args.name == "suite" else 1200.0)
     return run_bounded(cmd, timeout_s, args.name)
+
+
+def _check_world_options(workload: Workload, extra: list[str]) -> None:
+    """An MPI world's options are parsed here first, once, with its own ``parse_args``: a bad one exits 2
+    with the workload's usage before mpirun starts ranks that would each print the same error."""
+    if workload.ranks is None or workload.script is not None:
+        return
+    parse = getattr(importlib.import_module(workload.module), "parse_args", None)
+    if parse is not None:
+        parse([*workload.args, *extra])
 
 
 __all__ = ["CHECKOUT", "REGISTRY", "Workload", "build_command", "child_env", "main", "run_bounded"]

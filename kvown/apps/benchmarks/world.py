@@ -364,7 +364,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.reps, args.w1_bytes, args.w2_sessions, args.w3_sessions, args.b1_sessions = 1, 8 * MIB, 20, 10, 2
         args.rtt_iters, args.warmup, args.w1_sizes, args.w2_sizes = 200, 5, "64K,1M,4M", "64K,1M"
         args.w2_rates = "0,50"
+    _check_args(ap, args)
     return args
+
+
+WORKLOADS = ("w1", "w2", "w3")
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the ranks could not run (``ap.error``: the usage and exit status 2), naming the option;
+    ``kvown bench`` calls ``parse_args`` before it starts mpirun, so a bad option starts no world."""
+    unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        ap.error(f"--workloads: unknown {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})")
+    for flag, text in (("--w1-sizes", args.w1_sizes), ("--w2-sizes", args.w2_sizes)):
+        try:
+            if min(_parse_size(t) for t in text.split(",")) <= 0:
+                raise ValueError(text)
+        except (ValueError, IndexError):
+            ap.error(f"{flag}: {text!r} is not a comma list of positive sizes (e.g. 64K,1M,4M)")
+    for flag, text in (("--w2-rates", args.w2_rates), ("--w3-rates", args.w3_rates)):
+        if not all(t.strip().isdigit() and int(t) <= 100 for t in text.split(",")):
+            ap.error(f"{flag}: {text!r} is not a comma list of percents 0-100")
+    if args.window < 1:
+        ap.error(f"--window: {args.window} (at least 1)")
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""``kvown bench world`` / ``fanin`` refuse a bad option before mpirun starts a world. Before, the ranks
+parsed the sizes themselves: ``--w1-sizes abc`` printed a traceback from every rank, and
+``--workloads w9`` ran nothing and exited 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvown.apps import bench
+from kvown.apps.benchmarks import world
+
+BAD = [
+    (["--workloads", "w1,w9"], "--workloads: unknown w9"),
+    (["--w1-sizes", "abc"], "--w1-sizes: 'abc'"),
+    (["--w2-sizes", "64K,0"], "--w2-sizes: '64K,0'"),
+    (["--w2-rates", "0,150"], "--w2-rates: '0,150'"),
+    (["--w3-rates", "x"], "--w3-rates: 'x'"),
+    (["--window", "0"], "--window: 0"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("argv,says", BAD)
+def test_a_bad_option_is_refused_by_name(argv: list[str], says: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        world.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_the_defaults_and_quick_pass() -> None:
+    assert world.parse_args([]).workloads == "w1,w2,w3"
+    assert world.parse_args(["--quick", "--w2-sizes", "64K,1M"]).w2_rates == "0,50"
+
+
+def _launched(monkeypatch) -> list[list[str]]:
+    started: list[list[str]] = []
+    monkeypatch.setattr(bench, "run_bounded", lambda cmd, timeout_s, name: started.append(cmd) or 0)
+    return started
+
+
+def _check_no_world_for_a_bad_option(monkeypatch, capsys) -> None:
+    started = _launched(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["world", "--workloads", "w9"])
+    assert exit_info.value.code == 2 and started == []
+    assert "--workloads: unknown w9" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+def test_the_launcher_starts_no_world_for_a_bad_option(monkeypatch, capsys) -> None:
+    _check_no_world_for_a_bad_option(monkeypatch, capsys)
+    started = _launched(monkeypatch)
+    assert bench.main(["fanin", "--w3-rates", "20"]) == 0 and len(started) == 1  # a good one is launched
+
+
+@pytest.mark.timeout(10)
+def test_mutant_launcher_without_the_check_starts_the_world(monkeypatch, capsys) -> None:
+    """The bug: the options went to mpirun unchecked; the ranks found out, each on its own."""
+    monkeypatch.setattr(bench, "_check_world_options", lambda workload, extra: None)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        _check_no_world_for_a_bad_option(monkeypatch, capsys)
