@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvown.adapters.mpirun import kill_group
-from kvown.apps.benchmarks.common import environment, plot_figure, progress, save, write_json
+from kvown.apps.benchmarks.common import count, environment, plot_figure, progress, save, write_json
 from kvown.apps.benchmarks.registry import CHECKOUT
 
 BUILDS = ("interpreted", "compiled")
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source-dir", type=Path, default=CHECKOUT, help="the interpreted tree (a checkout)")
     ap.add_argument("--compiled-dir", type=Path, default=CHECKOUT / "build" / "compiled",
                     help="the compiled build (make build-compiled)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--sessions", type=int, default=3000)
+    ap.add_argument("--rounds", type=count, default=4)
+    ap.add_argument("--sessions", type=count, default=3000)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="bound of one child run")
     ap.add_argument("--quick", action="store_true", help="2 rounds x 300 sessions (smoke test)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())

@@ -39,6 +39,28 @@ def pct(values_ns: Iterable[int] | np.ndarray) -> dict[str, float]:
             "max_us": round(float(us.max()), 1), "mean_us": round(float(us.mean()), 1)}
 
 
+def count(text: str) -> int:
+    """argparse ``type=``: a positive int (sessions, repetitions, a window); refuses 0 and below by name."""
+    return _int_at_least(text, 1)
+
+
+def count0(text: str) -> int:
+    """argparse ``type=``: an int >= 0 (warm-up sessions, fences to pre-install)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} (at least {low})")
+    return value
+
+
 def size_name(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB} KiB"
 

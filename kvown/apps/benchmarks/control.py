@@ -31,6 +31,8 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import numpy as np  # noqa: E402
 
+from kvown.apps.benchmarks.common import count  # noqa: E402
+
 KIB = 1024
 BUF_NBYTES = 4 << 20  # room for 1 MiB written as 256 scattered 4 KiB blocks (stride 8 KiB)
 SIZES = (4 * KIB, 64 * KIB, 1 << 20)
@@ -282,8 +284,8 @@ def _run_zmq(iters: int, deadline_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=2000)
+    ap = argparse.ArgumentParser(prog="kvown bench control", description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=count, default=2000)
     ap.add_argument("--deadline-s", type=float, default=60.0)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-sysv", action="store_true", help="skip the UCX_MM_ERROR_HANDLING=y comparison")

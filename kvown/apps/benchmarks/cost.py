@@ -34,9 +34,10 @@ from typing import Any, Callable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvown.apps.benchmarks.common import KIB, environment, progress, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import KIB, count, count0, environment, progress, write_json  # noqa: E402
 
 MAX_ROUNDS = 2_000_000  # bound on step rounds of one measurement
+PARTS = ("engine", "scale", "fence", "w4", "levers")  # --parts
 
 
 @dataclass(frozen=True)
@@ -728,17 +729,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvown bench cost", description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="engine,scale,fence,w4,levers",
                     help="comma list of engine, scale, fence, w4, levers")
-    ap.add_argument("--sessions", type=int, default=2000)
-    ap.add_argument("--window", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sessions", type=count, default=2000)
+    ap.add_argument("--window", type=count, default=4)
+    ap.add_argument("--reps", type=count, default=3)
     ap.add_argument("--levers", action="store_true", help="also run with carried results / batch frames off")
-    ap.add_argument("--probe", type=int, default=1000, help="sessions measured at each scale level")
-    ap.add_argument("--scale-live", type=int, default=10_000)
-    ap.add_argument("--scale-fences", type=int, default=1_000_000)
-    ap.add_argument("--scale-reps", type=int, default=3)
-    ap.add_argument("--fence-ids", type=int, default=1_000_000)
-    ap.add_argument("--w4-mib", type=int, default=16, help="bytes per W4 session (MiB)")
-    ap.add_argument("--w4-sessions", type=int, default=40)
+    ap.add_argument("--probe", type=count, default=1000, help="sessions measured at each scale level")
+    ap.add_argument("--scale-live", type=count, default=10_000)
+    ap.add_argument("--scale-fences", type=count0, default=1_000_000)
+    ap.add_argument("--scale-reps", type=count, default=3)
+    ap.add_argument("--fence-ids", type=count, default=1_000_000)
+    ap.add_argument("--w4-mib", type=count, default=16, help="bytes per W4 session (MiB)")
+    ap.add_argument("--w4-sessions", type=count, default=40)
     ap.add_argument("--fake", action="store_true", help="the fake NIXL library instead of real NIXL")
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -746,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG: lever ratios, scale and W4 bars")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.parts.split(",")) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {', '.join(unknown)} (choose from {', '.join(PARTS)})")
     if args.quick:
         args.sessions, args.reps, args.probe, args.scale_reps = 200, 1, 200, 1
         args.scale_live, args.scale_fences, args.fence_ids = 2000, 100_000, 100_000

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvown.apps.benchmarks.common import environment, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import count, environment, write_json  # noqa: E402
 from kvown.apps.benchmarks.slow import SlowSessions  # noqa: E402
 
 RX, STEADY, FROZEN = 0, 1, 2
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="working directory (default: a temporary one)")
     ap.add_argument("--load-s", type=float, default=2.0)
-    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--window", type=count, default=4)
     ap.add_argument("--timeout-s", type=float, default=0.5, help="transfer timeout and grace (deadline = 2x)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=count, default=3)
     ap.add_argument("--world-timeout-s", type=float, default=120.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty())

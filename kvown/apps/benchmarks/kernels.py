@@ -132,7 +132,7 @@ def run(device: torch.device, mib: int, seed: int, iters: int) -> dict[str, obje
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvown bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mib", type=int, default=None, help="input size (default 512 on CUDA, 32 on CPU)")
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")

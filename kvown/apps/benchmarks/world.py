@@ -47,7 +47,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 
 from kvown.apps.benchmarks.common import KIB, MIB, cdf, environment, pct, plot_figure, progress, save, size_name  # noqa: E402
-from kvown.apps.benchmarks.common import w1_bars, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import count, count0, w1_bars, write_json  # noqa: E402
 from kvown.apps.benchmarks.raw import CANARY, RX, BenchError, Raw, soft_barrier, soft_recv  # noqa: E402
 from kvown.apps.benchmarks.raw import spin_until_ns, sync_device  # noqa: E402
 from kvown.apps.benchmarks.slow import SlowSessions  # noqa: E402
@@ -321,38 +321,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kvown bench world", description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="w1,w2,w3", help="comma list of w1, w2, w3")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--window", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=5, help="alternating raw/kvown repetitions per W1 size")
-    ap.add_argument("--w1-bytes", type=int, default=64 * MIB, help="bytes per W1 repetition")
+    ap.add_argument("--window", type=count, default=4)
+    ap.add_argument("--reps", type=count, default=5, help="alternating raw/kvown repetitions per W1 size")
+    ap.add_argument("--w1-bytes", type=count, default=64 * MIB, help="bytes per W1 repetition")
     ap.add_argument("--w1-sizes", default="64K,256K,1M,4M,16M")
     ap.add_argument("--w2-sizes", default="64K,1M,4M")
     ap.add_argument("--w2-rates", default="0,10,50,90")
-    ap.add_argument("--w2-sessions", type=int, default=1000,
+    ap.add_argument("--w2-sessions", type=count, default=1000,
                     help="sessions per (size, rate) point: at 10 %% about 100 are cancelled, so p99 is not the max")
-    ap.add_argument("--w3-sessions", type=int, default=200, help="sessions per K")
-    ap.add_argument("--w3-blocks", type=int, default=16)
+    ap.add_argument("--w3-sessions", type=count, default=200, help="sessions per K")
+    ap.add_argument("--w3-blocks", type=count, default=16)
     ap.add_argument("--b1-timeout-s", type=float, default=0.2)
-    ap.add_argument("--b1-sessions", type=int, default=5)
+    ap.add_argument("--b1-sessions", type=count, default=5)
     ap.add_argument("--settle", type=float, default=3.0, help="canary check after this many WRITE(S) + 1 ms")
-    ap.add_argument("--rtt-iters", type=int, default=2000)
+    ap.add_argument("--rtt-iters", type=count, default=2000)
     ap.add_argument("--spin-s", type=float, default=0.05,
                     help="engines keep polling this long after progress (the baselines poll all the time); "
                          "kvown's default is 0.002 (then naps), which adds a wake-up to an idle rank's hop")
-    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--warmup", type=count0, default=30)
     ap.add_argument("--deadline-s", type=float, default=900.0)
     ap.add_argument("--slow-s", type=float, default=1.0,
                     help="a session whose wait for an event is longer is slow: counted, reported, not timed")
     ap.add_argument("--flight-dir", default=None, help="where slow-session and abort dumps go ($KVOWN_FLIGHT_DIR)")
-    ap.add_argument("--flight-capacity", type=int, default=4096, help="events each rank's flight recorder keeps")
+    ap.add_argument("--flight-capacity", type=count, default=4096, help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--no-huge-pages", action="store_true",
                     help="CPU pools and raw buffers in base pages (both sides; TransferConfig.huge_pages)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
-    ap.add_argument("--layers", type=int, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
-    ap.add_argument("--kv-heads", type=int, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=16, help="tokens per block")
+    ap.add_argument("--layers", type=count, default=4, help="KV geometry; 4/2/128/16 is perf.md's CPU 'mini'")
+    ap.add_argument("--kv-heads", type=count0, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
+    ap.add_argument("--head-dim", type=count, default=128)
+    ap.add_argument("--tokens", type=count, default=16, help="tokens per block")
     ap.add_argument("--w3-rates", default="20", help="cancel percent in W3")
     ap.add_argument("--w3-writers", default="", help="comma list of K for W3 (default: 1 .. ranks - 1)")
     ap.add_argument("--json", type=Path, default=None)
@@ -386,8 +386,6 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, text in (("--w2-rates", args.w2_rates), ("--w3-rates", args.w3_rates)):
         if not all(t.strip().isdigit() and int(t) <= 100 for t in text.split(",")):
             ap.error(f"{flag}: {text!r} is not a comma list of percents 0-100")
-    if args.window < 1:
-        ap.error(f"--window: {args.window} (at least 1)")
 
 
 @dataclass

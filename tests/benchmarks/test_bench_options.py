@@ -1,13 +1,16 @@
-"""``kvown bench world`` / ``fanin`` refuse a bad option before mpirun starts a world. Before, the ranks
-parsed the sizes themselves: ``--w1-sizes abc`` printed a traceback from every rank, and
-``--workloads w9`` ran nothing and exited 0."""
+"""``kvown bench`` refuses a bad option by name, with exit status 2, before it measures anything.
+
+Before: the world's ranks parsed the sizes themselves (``--w1-sizes abc`` printed a traceback from every
+rank, ``--workloads w9`` ran nothing and exited 0), ``cost --sessions 0`` divided by zero after its set-up,
+``descriptors --w4-mib 0`` raised from the layout, ``control --iters 0`` from NIXL, ``cost --parts foo``
+measured nothing and exited 0. An MPI world's options are checked by the launcher before mpirun starts."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvown.apps import bench
-from kvown.apps.benchmarks import world
+from kvown.apps.benchmarks import control, cost, frozen, world
 
 BAD = [
     (["--workloads", "w1,w9"], "--workloads: unknown w9"),
@@ -26,6 +29,39 @@ def test_a_bad_option_is_refused_by_name(argv: list[str], says: str, capsys) -> 
         world.parse_args(argv)
     assert exit_info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+COUNTS = [
+    (world.parse_args, ["--reps", "0"], "argument --reps: 0 (at least 1)"),
+    (world.parse_args, ["--w2-sessions", "x"], "argument --w2-sessions: 'x' is not an integer"),
+    (world.parse_args, ["--warmup", "-1"], "argument --warmup: -1 (at least 0)"),
+    (cost.main, ["--sessions", "0"], "argument --sessions: 0 (at least 1)"),
+    (cost.main, ["--parts", "engine,foo"], "--parts: unknown foo"),
+    (cost.main, ["--w4-mib", "0"], "argument --w4-mib: 0 (at least 1)"),
+    (control.main, ["--iters", "0"], "argument --iters: 0 (at least 1)"),
+    (frozen.main, ["--runs", "0"], "argument --runs: 0 (at least 1)"),
+]
+
+
+def _check_refused(entry, argv: list[str], says: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("entry,argv,says", COUNTS)
+def test_counts_and_parts_are_refused_by_name(entry, argv: list[str], says: str, capsys) -> None:
+    _check_refused(entry, argv, says, capsys)
+
+
+@pytest.mark.timeout(10)
+def test_mutant_counts_taken_as_plain_ints_is_caught(monkeypatch, capsys) -> None:
+    """The bug: ``type=int``, so a zero went through to the measurement."""
+    monkeypatch.setattr(world, "count", int)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        _check_refused(*COUNTS[0], capsys)
 
 
 @pytest.mark.timeout(10)
