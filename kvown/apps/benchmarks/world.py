@@ -343,7 +343,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slow-s", type=float, default=1.0,
                     help="a session whose wait for an event is longer is slow: counted, reported, not timed")
     ap.add_argument("--flight-dir", default=None, help="where slow-session and abort dumps go ($KVOWN_FLIGHT_DIR)")
-    ap.add_argument("--flight-capacity", type=count, default=4096, help="events each rank's flight recorder keeps")
+    ap.add_argument("--flight-capacity", type=count, default=4096,
+                    help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
     ap.add_argument("--no-huge-pages", action="store_true",
