@@ -138,9 +138,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mutant", default="", help=argparse.SUPPRESS)  # tests only: a deliberately broken receiver
     ap.add_argument("--inject", default="", help=argparse.SUPPRESS)  # tests only: raw KVOWN_FAULT text
     args = ap.parse_args(argv)
+    _check_ranges(ap, args)
+    return args
+
+
+def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the types cannot say: ``ap.error`` (usage, exit status 2) names the option, and no world starts."""
     if args.ranks < 2 or args.ranks % 2:
         ap.error("--ranks must be an even number >= 2")
-    return args
+    if args.requests < 0:
+        ap.error(f"--requests must be >= 0, not {args.requests}")
+    if not 0.0 <= args.cancel_rate <= 1.0:
+        ap.error(f"--cancel-rate must be a fraction in [0, 1], not {args.cancel_rate}")
+    if args.timeout_s is not None and not args.timeout_s > 0:
+        ap.error(f"--timeout-s must be > 0, not {args.timeout_s}")
+    if not args.deadline_s > 0:
+        ap.error(f"--deadline-s must be > 0, not {args.deadline_s}")
 
 
 def _rank_args(args: argparse.Namespace, timeout_s: float, out: str) -> list[str]:
