@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -536,8 +537,32 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM (a CI timeout) tears down like Ctrl-C (rule 1)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with what their types cannot say refused by name (usage, exit status 2): nothing is
+    launched for a device kvown has no memory for, a bound that is not positive, or a world too small."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    _check_ranges(ap, args)
+    return args
+
+
+def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", args.device):
+        ap.error(f"--device: {args.device!r} (cpu, cuda or cuda:N)")
+    if args.test_hosts is not None and not 1 <= args.test_hosts <= 200:
+        ap.error(f"--test-hosts: {args.test_hosts} (1 to 200)")
+    for flag, value, low in (("--slots", args.slots, 1), ("--expect-hosts", args.expect_hosts, 0)):
+        if value < low:
+            ap.error(f"{flag}: {value} (at least {low})")
+    if args.failstop_ranks < 0 or args.failstop_ranks == 1:
+        ap.error(f"--failstop-ranks: {args.failstop_ranks} (at least 2; 0 picks max(3, hosts))")
+    for flag, seconds in (("--timeout-s", args.timeout_s), ("--failstop-bound-s", args.failstop_bound_s)):
+        if not seconds > 0:
+            ap.error(f"{flag}: {seconds} (must be > 0)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     hosts_obj = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
