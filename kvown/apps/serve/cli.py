@@ -24,6 +24,7 @@ import argparse
 import signal
 import sys
 import threading
+from typing import Any
 
 USAGE = "kvown serve {prefill,decode,single,router,local,vllm} [options]"
 
@@ -69,8 +70,25 @@ def _run_server(role: str, argv: list[str]) -> int:
     _cluster_options(p, etcd_required=role != "single")
     _model_options(p)
     a = p.parse_args(argv)
+    from kvown.apps.serve.server import serve
+    from kvown.core.errors import ConfigError
+
+    try:
+        config = _server_config(role, a)
+    except ConfigError as exc:  # a bad option: named, before a model, a pool or a socket exists
+        return _refused(p.prog, exc)
+    return serve(config)
+
+
+def _refused(prog: str, exc: Exception) -> int:
+    print(f"{prog}: {exc}", file=sys.stderr)
+    return 2
+
+
+def _server_config(role: str, a: argparse.Namespace) -> Any:
+    """The server's ``ServeConfig``; ``ConfigError`` naming the first bad field."""
     from kvown.apps.serve.model import ModelConfig
-    from kvown.apps.serve.server import ServeConfig, serve
+    from kvown.apps.serve.server import ServeConfig
 
     model = ModelConfig(
         d_model=a.d_model,
@@ -83,27 +101,25 @@ def _run_server(role: str, argv: list[str]) -> int:
         block_size=a.block_size,
         seed=a.seed,
     )
-    return serve(
-        ServeConfig(
-            role=role,
-            name=a.name,
-            model=model,
-            model_name=a.model_name,
-            host=a.host,
-            port=a.port,
-            etcd=a.etcd,
-            cluster=a.cluster,
-            num_blocks=a.num_blocks,
-            device=a.device,
-            threads=a.threads,
-            max_prompt_tokens=a.max_prompt_tokens,
-            landing_timeout_s=a.landing_timeout,
-            publish_timeout_s=a.publish_timeout,
-            lease_ttl_s=a.lease_ttl,
-            link_pace_s=a.link_pace_ms / 1000,
-            link=a.link,
-            kvown_rank=a.rank,
-        )
+    return ServeConfig(
+        role=role,
+        name=a.name,
+        model=model,
+        model_name=a.model_name,
+        host=a.host,
+        port=a.port,
+        etcd=a.etcd,
+        cluster=a.cluster,
+        num_blocks=a.num_blocks,
+        device=a.device,
+        threads=a.threads,
+        max_prompt_tokens=a.max_prompt_tokens,
+        landing_timeout_s=a.landing_timeout,
+        publish_timeout_s=a.publish_timeout,
+        lease_ttl_s=a.lease_ttl,
+        link_pace_s=a.link_pace_ms / 1000,
+        link=a.link,
+        kvown_rank=a.rank,
     )
 
 
@@ -114,18 +130,14 @@ def _run_router(argv: list[str]) -> int:
     p.add_argument("--request-timeout", type=float, default=60.0, help="longest silence from an upstream")
     a = p.parse_args(argv)
     from kvown.apps.serve.router import RouterConfig, serve_router
+    from kvown.core.errors import ConfigError
 
-    return serve_router(
-        RouterConfig(
-            etcd=a.etcd,
-            name=a.name,
-            cluster=a.cluster,
-            host=a.host,
-            port=a.port,
-            request_timeout_s=a.request_timeout,
-            lease_ttl_s=a.lease_ttl,
-        )
-    )
+    try:
+        config = RouterConfig(etcd=a.etcd, name=a.name, cluster=a.cluster, host=a.host, port=a.port,
+                              request_timeout_s=a.request_timeout, lease_ttl_s=a.lease_ttl)
+    except ConfigError as exc:
+        return _refused(p.prog, exc)
+    return serve_router(config)
 
 
 def _run_local(argv: list[str]) -> int:
@@ -138,6 +150,13 @@ def _run_local(argv: list[str]) -> int:
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a temp dir)")
     a, server_args = p.parse_known_args(argv)
     from kvown.apps.serve.local import LocalStack
+    from kvown.apps.serve.protocol import check_port
+    from kvown.core.errors import ConfigError
+
+    try:
+        check_port(a.port)
+    except ConfigError as exc:
+        return _refused(p.prog, exc)
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -39,6 +39,7 @@ from pydantic import (
 )
 from starlette.responses import StreamingResponse
 
+from kvown.core.errors import ConfigError
 from kvown.core.ids import MAX_EPOCH, MAX_SEQ, make_request_id
 
 MAX_BODY_NBYTES = 1 << 20
@@ -370,6 +371,12 @@ async def disconnected(request: Any) -> None:
     message left), and only until a response starts (which listens for it itself)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def check_port(port: int) -> None:
+    """``ConfigError(field="port")`` unless ``port`` is a TCP port number (0: any free one)."""
+    if type(port) is not int or not 0 <= port <= 65535:
+        raise ConfigError("port must be 0-65535 (0: any free port)", field="port", value=port)
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -45,10 +45,12 @@ from kvown.apps.serve import protocol as api
 from kvown.apps.serve.protocol import (
     ClosingStream,
     add_status_routes,
+    check_port,
     cluster_prefix,
     error_response,
     serve_app,
 )
+from kvown.core.errors import ConfigError, require_positive_ints
 
 
 @dataclass
@@ -61,6 +63,14 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 60.0  # the longest an upstream may stay silent (rule 1)
     lease_ttl_s: int = 3
+
+    def __post_init__(self) -> None:
+        """``ConfigError`` naming the first bad field, before a socket or an etcd lease exists."""
+        check_port(self.port)
+        require_positive_ints(self, ("lease_ttl_s",))
+        for name in ("connect_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
 
 
 class Router:

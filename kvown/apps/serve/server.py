@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -53,13 +54,15 @@ from kvown.apps.serve.model import BlockAllocator, ModelConfig, OutOfBlocks, Pag
 from kvown.apps.serve.protocol import (
     ClosingStream,
     add_status_routes,
+    check_port,
     cluster_prefix,
     error_response,
     serve_app,
 )
-from kvown.core.errors import KvownError, PeerProtocolError
+from kvown.core.errors import ConfigError, KvownError, PeerProtocolError, require_positive_ints
 
 ROLES = ("single", "prefill", "decode")
+LINKS = ("kvown", "loopback")
 
 
 @dataclass
@@ -82,6 +85,20 @@ class ServeConfig:
     link_pace_s: float = 0.0  # tests only: a slow fabric (slow WRITEs / DATA frames), to cancel mid-transfer
     link: str = "kvown"  # "kvown" (NIXL WRITEs, ownership with proof) or "loopback" (the reference TCP link)
     kvown_rank: int = -1  # this server's kvown rank, unique in the cluster (kvown link only)
+
+    def __post_init__(self) -> None:
+        """``ConfigError`` naming the first bad field, before a model, a pool or a socket exists."""
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}", field="role", value=self.role)
+        if self.link not in LINKS:
+            raise ConfigError(f"link must be one of {', '.join(LINKS)}", field="link", value=self.link)
+        require_positive_ints(self, ("num_blocks", "threads", "max_prompt_tokens", "lease_ttl_s"))
+        check_port(self.port)
+        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError("device must be auto, cpu, cuda or cuda:N", field="device", value=self.device)
+        for name in ("landing_timeout_s", "publish_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
 
 
 class ClientGone(Exception):
