@@ -45,12 +45,16 @@ BAD_OPTIONS = [
     (["router", "--etcd", "http://127.0.0.1:1", "--port", "-1"], "port must be 0-65535", "field='port'"),
     (["router", "--etcd", "http://127.0.0.1:1", "--request-timeout", "0"], "request_timeout_s", "value=0.0"),
     (["local", "--port", "65536"], "port must be 0-65535", "field='port'"),
+    (["vllm", "--port", "70000"], "port must be 0-65535", "field='port'"),
+    (["vllm", "--kv-cache-bytes", "0"], "must be a positive integer", "field='kv_cache_memory_bytes'"),
+    (["vllm", "--start-timeout", "0"], "start_timeout_s must be > 0", "field='start_timeout_s'"),
 ]
 
 
 def _never_started(monkeypatch, started: list) -> None:
     """Stand-ins for the three programs' runs: they only record that one was reached."""
     from kvown.apps.serve import local, router, server
+    from kvown.apps.serve.vllm import stack
 
     def reached(what):
         started.append(what)
@@ -60,6 +64,8 @@ def _never_started(monkeypatch, started: list) -> None:
     monkeypatch.setattr(router, "serve_router", reached)
     monkeypatch.setattr(local.LocalStack, "start", reached)
     monkeypatch.setattr(local.LocalStack, "dead", lambda self: ["stand-in"])  # the loop ends at once
+    monkeypatch.setattr(stack.VllmStack, "start", reached)
+    monkeypatch.setattr(stack.VllmStack, "dead", lambda self: ["stand-in"])
 
 
 def _check_refused(argv: list[str], says: str, field: str, monkeypatch, capsys) -> None:

@@ -62,14 +62,14 @@ def main(argv: list[str]) -> int:
     a = build_parser().parse_args(own)
     from kvown.apps.serve.vllm.stack import VllmStack
 
+    try:
+        stack = VllmStack(options_from(a, vllm_args))
+    except KvownError as error:  # a bad option, named: nothing was started, no handler installed
+        print(f"kvown serve vllm: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        stack = VllmStack(options_from(a, vllm_args))
-    except KvownError as error:
-        print(f"kvown serve vllm: {error}", file=sys.stderr)
-        return 2
     status = 0
     try:
         print(f"kvown serve vllm: starting ({'single' if a.single else a.connector}); logs in {stack.run_dir}",

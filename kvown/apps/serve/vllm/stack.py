@@ -42,7 +42,8 @@ from kvown.apps.serve.etcd import EtcdProcess, die_with_parent
 from kvown.apps.serve.local import ServerProcess
 from kvown.apps.serve.vllm.connectors import Instance, StackInfo, connector
 from kvown.apps.serve.vllm.proxy import ProxySpec
-from kvown.core.errors import AdapterError, ConfigError
+from kvown.apps.serve.protocol import check_port
+from kvown.core.errors import AdapterError, ConfigError, require_positive_ints
 
 REPO = Path(__file__).resolve().parents[4]
 VLLM_PYTHON_ENV = "KVOWN_VLLM_PYTHON"
@@ -141,6 +142,16 @@ class StackOptions:
     vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every vLLM instance
     connector_extra: dict[str, object] = field(default_factory=dict)  # e.g. kvown's transfer_timeout_s
+
+    def __post_init__(self) -> None:
+        """``ConfigError`` naming the first bad field, before a run directory or a process exists."""
+        check_port(self.port)
+        require_positive_ints(self, ("kv_cache_memory_bytes", "max_model_len"))
+        if self.block_size is not None:
+            require_positive_ints(self, ("block_size",))
+        for name in ("start_timeout_s", "grace_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
 
 
 class VllmProcess:
