@@ -48,9 +48,10 @@ from kvown.apps.serve.protocol import (
     check_port,
     cluster_prefix,
     error_response,
+    require_positive_seconds,
     serve_app,
 )
-from kvown.core.errors import ConfigError, require_positive_ints
+from kvown.core.errors import require_positive_ints
 
 
 @dataclass
@@ -68,9 +69,7 @@ class RouterConfig:
         """``ConfigError`` naming the first bad field, before a socket or an etcd lease exists."""
         check_port(self.port)
         require_positive_ints(self, ("lease_ttl_s",))
-        for name in ("connect_timeout_s", "request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
+        require_positive_seconds(self, ("connect_timeout_s", "request_timeout_s"))
 
 
 class Router:

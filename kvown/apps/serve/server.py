@@ -57,6 +57,7 @@ from kvown.apps.serve.protocol import (
     check_port,
     cluster_prefix,
     error_response,
+    require_positive_seconds,
     serve_app,
 )
 from kvown.core.errors import ConfigError, KvownError, PeerProtocolError, require_positive_ints
@@ -96,9 +97,7 @@ class ServeConfig:
         check_port(self.port)
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError("device must be auto, cpu, cuda or cuda:N", field="device", value=self.device)
-        for name in ("landing_timeout_s", "publish_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
+        require_positive_seconds(self, ("landing_timeout_s", "publish_timeout_s"))
 
 
 class ClientGone(Exception):

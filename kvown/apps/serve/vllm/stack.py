@@ -42,7 +42,7 @@ from kvown.apps.serve.etcd import EtcdProcess, die_with_parent
 from kvown.apps.serve.local import ServerProcess
 from kvown.apps.serve.vllm.connectors import Instance, StackInfo, connector
 from kvown.apps.serve.vllm.proxy import ProxySpec
-from kvown.apps.serve.protocol import check_port
+from kvown.apps.serve.protocol import check_port, require_positive_seconds
 from kvown.core.errors import AdapterError, ConfigError, require_positive_ints
 
 REPO = Path(__file__).resolve().parents[4]
@@ -149,9 +149,7 @@ class StackOptions:
         require_positive_ints(self, ("kv_cache_memory_bytes", "max_model_len"))
         if self.block_size is not None:
             require_positive_ints(self, ("block_size",))
-        for name in ("start_timeout_s", "grace_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0", field=name, value=getattr(self, name))
+        require_positive_seconds(self, ("start_timeout_s", "grace_s"))
 
 
 class VllmProcess:
