@@ -9,6 +9,20 @@ def _kvown_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
 
 
+@pytest.fixture
+def refused(capsys):
+    """``refused(entry, argv, says)``: a CLI's parser refuses ``argv`` with exit status 2 and ``says`` on
+    stderr (the bad-option tests of demo, qualify and the benchmarks; each proves it with a mutant)."""
+
+    def check(entry, argv: list[str], says: str) -> None:
+        with pytest.raises(SystemExit) as exit_info:
+            entry(argv)
+        assert exit_info.value.code == 2
+        assert says in capsys.readouterr().err
+
+    return check
+
+
 # ---- the two builds (issue 19 item 2) ---------------------------------------------------------------
 # A run imports either the interpreted source or the compiled build (mypyc; `make test` puts it first on
 # sys.path). Native classes cannot be monkeypatched and compiled code calls its own functions directly,

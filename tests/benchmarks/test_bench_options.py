@@ -24,11 +24,8 @@ BAD = [
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("argv,says", BAD)
-def test_a_bad_option_is_refused_by_name(argv: list[str], says: str, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        world.parse_args(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
+def test_a_bad_option_is_refused_by_name(argv: list[str], says: str, refused) -> None:
+    refused(world.parse_args, argv, says)
 
 
 COUNTS = [
@@ -43,25 +40,18 @@ COUNTS = [
 ]
 
 
-def _check_refused(entry, argv: list[str], says: str, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        entry(argv)
-    assert exit_info.value.code == 2
-    assert says in capsys.readouterr().err
-
-
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("entry,argv,says", COUNTS)
-def test_counts_and_parts_are_refused_by_name(entry, argv: list[str], says: str, capsys) -> None:
-    _check_refused(entry, argv, says, capsys)
+def test_counts_and_parts_are_refused_by_name(entry, argv: list[str], says: str, refused) -> None:
+    refused(entry, argv, says)
 
 
 @pytest.mark.timeout(10)
-def test_mutant_counts_taken_as_plain_ints_is_caught(monkeypatch, capsys) -> None:
+def test_mutant_counts_taken_as_plain_ints_is_caught(monkeypatch, refused) -> None:
     """The bug: ``type=int``, so a zero went through to the measurement."""
     monkeypatch.setattr(world, "count", int)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
-        _check_refused(*COUNTS[0], capsys)
+        refused(*COUNTS[0])
 
 
 @pytest.mark.timeout(10)
