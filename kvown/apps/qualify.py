@@ -20,8 +20,8 @@ What it reports, besides every scenario's named checks:
 
 Exit code 0 only if every check passed. Rules:
   1. Every world is bounded (``--timeout-s``); on timeout, error or Ctrl-C the launcher's process group
-     is killed and test hosts are torn down.
-  2. A check that could not be taken is recorded as failed, never skipped silently.
+     is killed and test hosts are torn down. 2. A check not taken is recorded as failed, never skipped.
+  3. Fail-stop dumps go to ``$KVOWN_FLIGHT_DIR``, else to a temp directory kept only if a check failed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,6 +254,7 @@ def run_failstop(
 ) -> tuple[dict[str, bool], dict]:
     """The fail-stop world: (checks, figures). See ``kvown.apps.qualify_failstop``."""
     # the caller's KVOWN_FLIGHT_DIR when it gives one (figures name the directory the ranks really used)
+    own_dir = not launch.env.get("KVOWN_FLIGHT_DIR")
     flight_dir = launch.env.get("KVOWN_FLIGHT_DIR") or tempfile.mkdtemp(prefix="kvown-qualify-flight-")
     run = run_world(
         launch,
@@ -309,6 +311,9 @@ def run_failstop(
     else:
         checks["world_gone_after_the_deadline"] = False
         figures["tail"] = (run.stdout[-1500:] + run.stderr[-3000:]).strip()
+    if own_dir and all(checks.values()):  # nothing to look into: our own temporary directory goes
+        shutil.rmtree(flight_dir, ignore_errors=True)
+        figures["flight_dir"] = None
     return checks, figures
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 
 import pytest
 
+from kvown.apps import qualify
 from worldkit import mpirun, run
 
 EXPECTED = {
@@ -69,3 +71,31 @@ def test_qualify_passes_for_other_layouts(tmp_path, layout):
     checks = report["checks"]
     assert set(checks) == set(EXPECTED) | {"network", "fail_stop_across_hosts"}
     assert all(all(v.values()) for v in checks.values())
+
+
+def _check_failstop_leaves_nothing(tmp_path, monkeypatch) -> None:
+    """A passing fail-stop world with no KVOWN_FLIGHT_DIR leaves no flight directory in the temp
+    directory, and its figures say so (each passing ``kvown qualify`` used to leave one in /tmp)."""
+    monkeypatch.delenv("KVOWN_FLIGHT_DIR")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    launch = qualify._launch_for(qualify.parse_args([]))
+    checks, figures = qualify.run_failstop(launch, 3, "cpu", 120.0, 2.0)
+    assert all(checks.values()), (checks, figures)
+    assert figures["flight_dir"] is None
+    left = sorted(p.name for p in tmp_path.glob("kvown-qualify-flight-*"))
+    assert left == [], f"left behind: {left}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_a_passing_failstop_world_leaves_no_flight_directory(tmp_path, monkeypatch):
+    _check_failstop_leaves_nothing(tmp_path, monkeypatch)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(150)
+def test_mutant_that_keeps_the_directory_is_caught(tmp_path, monkeypatch):
+    """The bug: the temporary flight directory was never removed."""
+    monkeypatch.setattr(qualify.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.raises(AssertionError, match=r"left behind: \['kvown-qualify-flight-"):
+        _check_failstop_leaves_nothing(tmp_path, monkeypatch)
