@@ -57,7 +57,7 @@ def test_mutant_counts_taken_as_plain_ints_is_caught(monkeypatch, refused) -> No
 @pytest.mark.timeout(10)
 def test_the_defaults_and_quick_pass() -> None:
     assert world.parse_args([]).workloads == "w1,w2,w3"
-    assert world.parse_args(["--quick", "--w2-sizes", "64K,1M"]).w2_rates == "0,50"
+    assert world.parse_args(["--quick", "--w2-sizes", "64K,1M"]).w2_rates == [0, 50]
 
 
 def _launched(monkeypatch) -> list[list[str]]:

@@ -324,9 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--window", type=count, default=4)
     ap.add_argument("--reps", type=count, default=5, help="alternating raw/kvown repetitions per W1 size")
     ap.add_argument("--w1-bytes", type=count, default=64 * MIB, help="bytes per W1 repetition")
-    ap.add_argument("--w1-sizes", default="64K,256K,1M,4M,16M")
-    ap.add_argument("--w2-sizes", default="64K,1M,4M")
-    ap.add_argument("--w2-rates", default="0,10,50,90")
+    ap.add_argument("--w1-sizes", type=sizes, default="64K,256K,1M,4M,16M")
+    ap.add_argument("--w2-sizes", type=sizes, default="64K,1M,4M")
+    ap.add_argument("--w2-rates", type=percents, default="0,10,50,90")
     ap.add_argument("--w2-sessions", type=count, default=1000,
                     help="sessions per (size, rate) point: at 10 %% about 100 are cancelled, so p99 is not the max")
     ap.add_argument("--w3-sessions", type=count, default=200, help="sessions per K")
@@ -354,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=count0, default=0, help="0: 2, or 6 when W3 runs with 3 writers")
     ap.add_argument("--head-dim", type=count, default=128)
     ap.add_argument("--tokens", type=count, default=16, help="tokens per block")
-    ap.add_argument("--w3-rates", default="20", help="cancel percent in W3")
+    ap.add_argument("--w3-rates", type=percents, default="20", help="cancel percent in W3 (the first)")
     ap.add_argument("--w3-writers", default="", help="comma list of K for W3 (default: 1 .. ranks - 1)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
@@ -363,8 +363,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.w1_bytes, args.w2_sessions, args.w3_sessions, args.b1_sessions = 1, 8 * MIB, 20, 10, 2
-        args.rtt_iters, args.warmup, args.w1_sizes, args.w2_sizes = 200, 5, "64K,1M,4M", "64K,1M"
-        args.w2_rates = "0,50"
+        args.rtt_iters, args.warmup, args.w1_sizes, args.w2_sizes = 200, 5, sizes("64K,1M,4M"), sizes("64K,1M")
+        args.w2_rates = [0, 50]
     _check_args(ap, args)
     return args
 
@@ -374,19 +374,29 @@ WORKLOADS = ("w1", "w2", "w3")
 
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse what the ranks could not run (``ap.error``: the usage and exit status 2), naming the option;
-    ``kvown bench`` calls ``parse_args`` before it starts mpirun, so a bad option starts no world."""
+    ``kvown bench`` calls ``parse_args`` before it starts mpirun, so a bad option starts no world. The
+    sizes and rates are refused by their argparse types (``sizes``, ``percents``)."""
     unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})")
-    for flag, text in (("--w1-sizes", args.w1_sizes), ("--w2-sizes", args.w2_sizes)):
-        try:
-            if min(_parse_size(t) for t in text.split(",")) <= 0:
-                raise ValueError(text)
-        except (ValueError, IndexError):
-            ap.error(f"{flag}: {text!r} is not a comma list of positive sizes (e.g. 64K,1M,4M)")
-    for flag, text in (("--w2-rates", args.w2_rates), ("--w3-rates", args.w3_rates)):
-        if not all(t.strip().isdigit() and int(t) <= 100 for t in text.split(",")):
-            ap.error(f"{flag}: {text!r} is not a comma list of percents 0-100")
+
+
+def sizes(text: str) -> list[int]:
+    """argparse ``type=``: a comma list of positive sizes in bytes, K or M (``64K,1M``)."""
+    try:
+        out = [_parse_size(t) for t in text.split(",")]
+    except (ValueError, IndexError):
+        out = []
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of positive sizes (e.g. 64K,1M,4M)")
+    return out
+
+
+def percents(text: str) -> list[int]:
+    """argparse ``type=``: a comma list of percents 0-100."""
+    if not all(t.strip().isdigit() and int(t) <= 100 for t in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of percents 0-100")
+    return [int(t) for t in text.split(",")]
 
 
 @dataclass
@@ -454,15 +464,13 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
 
     size, rank = comm.Get_size(), comm.Get_rank()
     heads = args.kv_heads or (2 if size <= 3 else 6)  # W3 slices heads among K writers: 6 divides by 1, 2, 3
-    w1_sizes = [_parse_size(s) for s in args.w1_sizes.split(",")]
-    w2_sizes = [_parse_size(s) for s in args.w2_sizes.split(",")]
     t_start = time.monotonic()
     window = args.window
     geometry = dict(num_layers=args.layers, tokens_per_block=args.tokens, num_kv_heads=heads,
                     head_dim=args.head_dim, dtype="bfloat16")
     block = KVLayout.standard(num_blocks=1, **geometry).block_nbytes
-    w1_sizes = sorted({max(block, s // block * block) for s in w1_sizes})  # whole blocks
-    w2_sizes = sorted({max(block, s // block * block) for s in w2_sizes})
+    w1_sizes = sorted({max(block, s // block * block) for s in args.w1_sizes})  # whole blocks
+    w2_sizes = sorted({max(block, s // block * block) for s in args.w2_sizes})
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
     levers = {"carry_results": False} if args.no_carry else {}
@@ -602,7 +610,7 @@ def _median_ratio(num: list[float], den: list[float]) -> float:
 def run_w2(b: Bench) -> None:
     """W2: cancellation sweep per (size, rate), kvown then B0 on the same plan; then B1's timeout."""
     args, comm, rank, rng, result = b.args, b.comm, b.rank, b.rng, b.result
-    rates = [int(r) for r in args.w2_rates.split(",")]
+    rates = args.w2_rates
     points = []
     with progress(len(b.w2_sizes) * len(rates), "W2 cancellation sweep", b.show) as bar:
         for s in b.w2_sizes:
@@ -646,7 +654,7 @@ def run_w3(b: Bench) -> None:
         for k in ks:
             n = args.w3_sessions + args.warmup
             w_ns = int(result["raw_write"][str(min(int(k) for k in result["raw_write"]))]["p50_us"] * 1e3)
-            rate = int(args.w3_rates.split(",")[0])
+            rate = args.w3_rates[0]
             plan = [(b.rng.random() * 100 < rate, int(b.rng.uniform(0, w_ns))) for _ in range(n)]
             t0 = time.perf_counter_ns()
             kv = kv_sessions(b.rt, b.comm, rank, b.rids.take(n), args.w3_blocks, b.writers[:k], plan, 0, False,
