@@ -1,7 +1,7 @@
 """kvown's error types.
 
 Owns: the whole exception hierarchy. Every raise site in kvown uses one of these. Plus
-``require_positive_ints``, the one check of a config's integer fields (the apps' and the simulator's).
+``require_positive_ints`` / ``require_positive_seconds``, the checks of a config's counts and timeouts.
 
 Rules:
   1. Errors carry fields (request id, rank, state, field name) and read well in a log; never a bare
@@ -87,3 +87,11 @@ def require_positive_ints(config: object, names: Iterable[str], *, zero_ok: Iter
         value = getattr(config, name)
         if type(value) is not int or value < 0 or (value == 0 and name not in zero_ok):
             raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name, value=value)
+
+
+def require_positive_seconds(config: object, names: Iterable[str]) -> None:
+    """Raise ``ConfigError`` naming the first of ``names`` whose value on ``config`` is not > 0 (seconds)."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0", field=name, value=value)

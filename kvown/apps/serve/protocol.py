@@ -379,14 +379,6 @@ def check_port(port: int) -> None:
         raise ConfigError("port must be 0-65535 (0: any free port)", field="port", value=port)
 
 
-def require_positive_seconds(config: object, names: Iterable[str]) -> None:
-    """``ConfigError`` naming the first of ``names`` whose value on ``config`` is not > 0 (seconds)."""
-    for name in names:
-        value = getattr(config, name)
-        if not value > 0:
-            raise ConfigError(f"{name} must be > 0", field=name, value=value)
-
-
 def listen(host: str, port: int) -> socket.socket:
     """The HTTP listening socket. Created with ``IPPROTO_TCP`` (not 0, as ``socket.create_server`` does)
     because asyncio disables Nagle only on sockets whose proto says TCP: without it, a keep-alive

@@ -48,10 +48,9 @@ from kvown.apps.serve.protocol import (
     check_port,
     cluster_prefix,
     error_response,
-    require_positive_seconds,
     serve_app,
 )
-from kvown.core.errors import require_positive_ints
+from kvown.core.errors import require_positive_ints, require_positive_seconds
 
 
 @dataclass

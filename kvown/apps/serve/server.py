@@ -57,10 +57,15 @@ from kvown.apps.serve.protocol import (
     check_port,
     cluster_prefix,
     error_response,
-    require_positive_seconds,
     serve_app,
 )
-from kvown.core.errors import ConfigError, KvownError, PeerProtocolError, require_positive_ints
+from kvown.core.errors import (
+    ConfigError,
+    KvownError,
+    PeerProtocolError,
+    require_positive_ints,
+    require_positive_seconds,
+)
 
 ROLES = ("single", "prefill", "decode")
 LINKS = ("kvown", "loopback")

@@ -42,8 +42,8 @@ from kvown.apps.serve.etcd import EtcdProcess, die_with_parent
 from kvown.apps.serve.local import ServerProcess
 from kvown.apps.serve.vllm.connectors import Instance, StackInfo, connector
 from kvown.apps.serve.vllm.proxy import ProxySpec
-from kvown.apps.serve.protocol import check_port, require_positive_seconds
-from kvown.core.errors import AdapterError, ConfigError, require_positive_ints
+from kvown.apps.serve.protocol import check_port
+from kvown.core.errors import AdapterError, ConfigError, require_positive_ints, require_positive_seconds
 
 REPO = Path(__file__).resolve().parents[4]
 VLLM_PYTHON_ENV = "KVOWN_VLLM_PYTHON"
