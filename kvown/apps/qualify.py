@@ -254,8 +254,8 @@ def run_failstop(
 ) -> tuple[dict[str, bool], dict]:
     """The fail-stop world: (checks, figures). See ``kvown.apps.qualify_failstop``."""
     # the caller's KVOWN_FLIGHT_DIR when it gives one (figures name the directory the ranks really used)
-    own_dir = not launch.env.get("KVOWN_FLIGHT_DIR")
-    flight_dir = launch.env.get("KVOWN_FLIGHT_DIR") or tempfile.mkdtemp(prefix="kvown-qualify-flight-")
+    given_dir = launch.env.get("KVOWN_FLIGHT_DIR")
+    flight_dir = given_dir or tempfile.mkdtemp(prefix="kvown-qualify-flight-")
     run = run_world(
         launch,
         ranks,
@@ -311,7 +311,7 @@ def run_failstop(
     else:
         checks["world_gone_after_the_deadline"] = False
         figures["tail"] = (run.stdout[-1500:] + run.stderr[-3000:]).strip()
-    if own_dir and all(checks.values()):  # nothing to look into: our own temporary directory goes
+    if not given_dir and all(checks.values()):  # nothing to look into: our own temporary directory goes
         shutil.rmtree(flight_dir, ignore_errors=True)
         figures["flight_dir"] = None
     return checks, figures
