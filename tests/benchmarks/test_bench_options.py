@@ -19,6 +19,8 @@ BAD = [
     (["--w2-rates", "0,150"], "--w2-rates: '0,150'"),
     (["--w3-rates", "x"], "--w3-rates: 'x'"),
     (["--window", "0"], "--window: 0"),
+    (["--spin-s", "0.5"], "--spin-s: must be in [0, 0.1] seconds"),  # TransferConfig's rule, before mpirun
+    (["--idle-sleep-s", "0"], "--idle-sleep-s: must be > 0 here"),  # quiet_engines waits for a nap
 ]
 
 

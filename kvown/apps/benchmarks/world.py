@@ -386,8 +386,14 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)} (choose from {', '.join(WORKLOADS)})")
-    if not (args.spin_s >= 0 and args.idle_sleep_s > 0):
-        ap.error(f"--spin-s {args.spin_s} / --idle-sleep-s {args.idle_sleep_s}: need spin >= 0 and nap > 0")
+    from kvown import ConfigError, TransferConfig
+
+    try:  # the engines' own rule (TransferConfig), and a nap: quiet_engines waits for one
+        TransferConfig(spin_s=args.spin_s, idle_sleep_s=args.idle_sleep_s)
+        if not args.idle_sleep_s > 0:
+            raise ConfigError("must be > 0 here (0: engines that never nap)", field="idle_sleep_s")
+    except ConfigError as exc:
+        ap.error(f"--{exc.fields['field'].replace('_', '-')}: {exc}")
 
 
 def sizes(text: str) -> list[int]:
