@@ -43,6 +43,8 @@ class TransferConfig:
     flight_capacity: int = 4096  # events kept by the flight recorder
     spin_s: float = 0.002  # keep yield-polling this long after the last progress
     idle_sleep_s: float = 200e-6  # then nap this long between polls (0: never nap, only sched_yield)
+    # a rank with nothing open naps twice as long each time, up to this (engine rule 3; at least idle_sleep_s)
+    idle_sleep_max_s: float = 0.01
     # Prometheus /metrics on 127.0.0.1:(metrics_port + rank); 0 disables.
     metrics_port: int = field(default_factory=lambda: _port_from_env("KVOWN_METRICS_PORT"))
     canary: bool = False  # stamp retired blocks and verify them before reuse (kvown.cache.canary)
@@ -69,7 +71,7 @@ class TransferConfig:
         if not isinstance(self.canary, bool):
             raise ConfigError("canary must be True or False", field="canary", value=self.canary)
         timeout_ns_from_s(self.control_retry_s, field="control_retry_s")
-        for name in ("spin_s", "idle_sleep_s"):
+        for name in ("spin_s", "idle_sleep_s", "idle_sleep_max_s"):
             if not (0 <= getattr(self, name) <= 0.1):
                 raise ConfigError("must be in [0, 0.1] seconds", field=name, value=getattr(self, name))
 

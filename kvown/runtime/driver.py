@@ -14,7 +14,7 @@ Rules:
   6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
      A core's ``LocalProtocolError`` inside ``step`` is our bug: the INVARIANT fail-stop (6a).
   7. Other threads call ``submit`` and pure readers only (``check_fatal``, ``next_deadline_ns``, ``view``,
-     ``statistics``, ``earliest_deadline_ns``); cores are touched under ``lock``, held per core event.
+     ``statistics``, ``earliest_deadline_ns``, ``quiet``); cores are touched under ``lock``, held per event.
   7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a watermark under
      a live session); a close's ready token waits first. A send's tokens ready at once ride on its open.
   8. The hot path formats nothing and scans nothing that does not move. 9. ``probe`` is the one test hook.
@@ -210,6 +210,16 @@ class Driver:
         (it ticks due cores inside ``step`` and naps ``config.idle_sleep_s``)."""
         deadlines = [d for d in (c.next_deadline_ns() for c in self._cores()) if d is not None]
         return min(deadlines, default=None)
+
+    def quiet(self) -> bool:
+        """Pure: nothing open, queued or owed - every table ``audit`` counts is empty (a test holds the two
+        together). Called: by the engine thread before a nap; only a quiet rank naps longer (engine rule 3),
+        so all it can meet late is a peer's first frame."""
+        sender = self.sender
+        return not (self.inbox or self._sends or self._recvs or self._writes or self._in_doubt
+                    or self._unreleased or self._local_copies or self.resend or self.inn.held_count()
+                    or (sender is not None and sender.saved_publications())
+                    or any(core.sessions for core in self._core_list))
 
     def statistics(self) -> Statistics:
         """A frozen snapshot for dashboards, benchmarks and checks. Called: any thread (takes ``lock``)."""

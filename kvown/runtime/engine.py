@@ -13,7 +13,9 @@ Rules:
      After any fail-stop the thread parks, keeping every root alive and touching nothing.
   3. Without a NIXL progress thread nothing wakes us for an incoming notification, so after progress
      the loop keeps polling (``os.sched_yield`` between steps) for ``spin_s``, then naps
-     ``idle_sleep_s`` at a time until a command arrives or something moves.
+     ``idle_sleep_s`` at a time until a command arrives or something moves. Each nap wakes the thread and
+     takes the GIL from the code beside it, so a quiet rank (``Driver.quiet``: nothing open) naps twice
+     as long each time, up to ``idle_sleep_max_s``; a command still wakes it at once.
   4. ``busy_ns`` adds up the steps that moved something (their work, not the polling: a spinning engine
      is always on a CPU); it reuses the clock reads the loop makes anyway.
 """
@@ -35,7 +37,7 @@ from kvown.runtime.statistics import Statistics
 from kvown.runtime.view import RankView
 
 
-STALL_NS = 20_000_000  # a turn of the loop longer than this (and than 10 naps) is recorded as a stall
+STALL_NS = 20_000_000  # a turn of the loop longer than its nap by this much is recorded as a stall
 
 
 class Engine:
@@ -152,25 +154,29 @@ class Engine:
         driver = self.driver
         try:
             spin_ns = int(driver.config.spin_s * 1e9)
-            nap_s = driver.config.idle_sleep_s
-            late_ns = max(STALL_NS, 10 * int(nap_s * 1e9))  # a loop turn this long: the thread got no CPU
+            first_nap_s = driver.config.idle_sleep_s
+            max_nap_s = max(first_nap_s, driver.config.idle_sleep_max_s)
+            nap_s, slept_ns = first_nap_s, 0
             last_progress_ns = step_ns = self.clock()
             while not self._stop.is_set():
                 now_ns = self.clock()
-                if now_ns - step_ns > late_ns:  # evidence for the post-mortem: starved, not napping
+                if now_ns - step_ns > STALL_NS + slept_ns:  # post-mortem evidence: starved, not napping
                     driver.recorder.record("engine_stall", None, gap_us=(now_ns - step_ns) // 1000)
-                step_ns = now_ns
+                step_ns, slept_ns = now_ns, 0
                 moved = driver.step(now_ns)
                 if driver.fatal is not None:
                     return self._park()
                 if moved:
                     last_progress_ns = self.clock()
                     self.busy_ns += last_progress_ns - now_ns
-                elif not nap_s or self.clock() - last_progress_ns < spin_ns:
+                    nap_s = first_nap_s
+                elif not first_nap_s or self.clock() - last_progress_ns < spin_ns:
                     os.sched_yield()
                 else:
                     self._wake.wait(nap_s)
                     self._wake.clear()
+                    slept_ns = int(nap_s * 1e9)
+                    nap_s = min(2 * nap_s, max_nap_s) if driver.quiet() else first_nap_s  # rule 3
         except BaseException as exc:  # rule 2: nothing escapes as log-and-continue
             text = traceback.format_exc()
             driver.recorder.record("engine_crash", None, error=repr(exc), traceback=text)

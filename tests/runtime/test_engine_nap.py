@@ -1,0 +1,126 @@
+"""An idle engine naps longer only when its rank is quiet (engine rule 3): each wake-up takes the GIL
+from the code beside kvown (``kvown bench idle``), but a rank with anything open must keep answering
+its peers within ``idle_sleep_s``. ``Driver.quiet`` must agree with the tables ``audit`` counts, so
+that no open session, WRITE, resend or held frame is ever left to a long nap."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvown.runtime.config import TransferConfig
+from kvown.runtime.driver import Driver
+from kvown.runtime.engine import Engine
+from kvown.testing.sim import SimConfig, SimWorld
+
+WINDOW_S = 0.4
+NAP = dict(spin_s=0.0, idle_sleep_s=200e-6, idle_sleep_max_s=0.01)
+
+
+def _idle_engine(quiet: bool, **config: float) -> tuple[Engine, SimpleNamespace]:
+    """The real loop over a driver that never moves; ``driver.steps`` counts its turns."""
+    driver = SimpleNamespace(rank=0, fatal=None, steps=0, inbox=collections.deque(), seen_ns=[],
+                             recorder=SimpleNamespace(record=lambda *a, **k: None),
+                             config=TransferConfig(**{**NAP, **config}), quiet=lambda: quiet)
+
+    def step(now_ns: int) -> bool:
+        driver.steps += 1
+        while driver.inbox:
+            driver.seen_ns.append(time.monotonic_ns() - driver.inbox.popleft())
+        return False
+
+    driver.step = step
+    driver.submit = driver.inbox.append
+    return Engine(driver, fail_stop=lambda action: None), driver  # type: ignore[arg-type]
+
+
+def _turns(quiet: bool) -> int:
+    engine, driver = _idle_engine(quiet)
+    engine.start()
+    try:
+        time.sleep(0.05)  # past the back-off's climb (200 us ... 10 ms: 13 ms in all)
+        before = driver.steps
+        time.sleep(WINDOW_S)
+        return driver.steps - before
+    finally:
+        engine.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_quiet_rank_naps_up_to_the_ceiling_and_an_open_one_keeps_short_naps() -> None:
+    quiet, live = _turns(quiet=True), _turns(quiet=False)
+    assert quiet <= 2 * WINDOW_S / NAP["idle_sleep_max_s"], f"{quiet} turns in {WINDOW_S} s: no back-off"
+    assert live > 4 * quiet, f"an open rank turned {live} times against a quiet one's {quiet}: it backed off"
+
+
+@pytest.mark.timeout(30)
+def test_a_command_wakes_a_quiet_engine_from_its_long_nap() -> None:
+    engine, driver = _idle_engine(True, idle_sleep_max_s=0.1)
+    engine.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.3)  # the nap has climbed to 100 ms
+            engine.submit(time.monotonic_ns())
+        deadline = time.monotonic() + 5
+        while len(driver.seen_ns) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    waits_ms = sorted(ns / 1e6 for ns in driver.seen_ns)
+    assert len(waits_ms) == 5 and waits_ms[2] < 30, f"command -> step: {waits_ms} ms (naps of 100 ms)"
+
+
+def test_the_ceiling_is_validated_by_name() -> None:
+    from kvown import ConfigError
+
+    for bad in (-1e-3, 0.5, float("nan")):
+        with pytest.raises(ConfigError) as info:
+            TransferConfig(idle_sleep_max_s=bad)
+        assert info.value.field == "idle_sleep_max_s"
+
+
+# ---- Driver.quiet against the audit, over the simulated world -------------------------------------------
+
+
+def _disagreements(seeds: range) -> tuple[int, int, list[str]]:
+    """(quiet checks, busy checks, disagreements) after every step of each seed's world."""
+    quiet = busy = 0
+    bad: list[str] = []
+    for seed in seeds:
+        world = SimWorld(seed, SimConfig.for_seed(seed))
+        for _ in range(20_000):
+            if not world.step():
+                break
+            for r, rank in world.ranks.items():
+                driver = rank.driver
+                if driver.fatal is not None or rank.fatal is not None or r in world.dead:
+                    continue
+                tables = driver.audit(check_canaries=False).tables
+                empty = not any(tables.values())
+                quiet += empty
+                busy += not empty
+                if driver.quiet() != empty:
+                    bad.append(f"seed {seed} rank {r}: quiet() {driver.quiet()}, tables {dict(tables)}")
+    return quiet, busy, bad
+
+
+@pytest.mark.timeout(300)
+def test_quiet_agrees_with_the_audit_tables() -> None:
+    quiet, busy, bad = _disagreements(range(6))
+    assert not bad, bad[:5]
+    assert quiet > 10 and busy > 100, (quiet, busy)  # both answers were really asked for
+
+
+@pytest.mark.interpreted_only
+@pytest.mark.timeout(300)
+def test_mutant_quiet_blind_to_open_sessions_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def blind(self: Driver) -> bool:  # forgets the cores' sessions (a publication saved, a receive open)
+        return not (self.inbox or self._writes or self.resend)
+
+    monkeypatch.setattr(Driver, "quiet", blind)
+    _, _, bad = _disagreements(range(6))
+    assert bad, "a quiet() blind to open sessions went unnoticed"
