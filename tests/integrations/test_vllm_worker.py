@@ -211,8 +211,11 @@ def test_settings_name_the_bad_field() -> None:
 
     good = {"etcd": "http://127.0.0.1:2379", "cluster": "c", "rank": 2}
     assert WorkerSettings.from_extra(good, tp_rank=1).rank == 3
+    tuned = WorkerSettings.from_extra({**good, "idle_sleep_max_s": 0.05, "other": 1})
+    assert tuned.cadence == (("idle_sleep_max_s", 0.05),)
     for bad, field in (({"cluster": "c", "rank": 0}, "kv_connector_extra_config"), ({**good, "rank": -1}, "rank"),
-                       ({**good, "grace_s": 0}, "grace_s"), ({**good, "metrics_port": "x"}, "metrics_port")):
+                       ({**good, "grace_s": 0}, "grace_s"), ({**good, "metrics_port": "x"}, "metrics_port"),
+                       ({**good, "idle_sleep_max_s": 5}, "idle_sleep_max_s"), ({**good, "spin_s": "x"}, "spin_s")):
         with pytest.raises(ConfigError) as err:
             WorkerSettings.from_extra(bad)
         assert err.value.field == field

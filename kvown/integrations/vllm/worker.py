@@ -46,6 +46,10 @@ from kvown.core.errors import ConfigError
 from kvown.integrations.vllm.plan import Cancel, Receive, Send, StepPlan
 
 
+# How the engine polls beside vLLM's own Python (docs/operations.md): latency against the GIL it takes.
+CADENCE = ("spin_s", "idle_sleep_s", "idle_sleep_max_s")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """``kv_connector_extra_config``, checked (every field named in its error)."""
@@ -59,6 +63,7 @@ class WorkerSettings:
     connect_timeout_s: float = 30.0
     lease_ttl_s: int = 5
     metrics_port: int = 0
+    cadence: tuple[tuple[str, float], ...] = ()  # the engine's CADENCE knobs given (else kvown's defaults)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], tp_rank: int = 0) -> WorkerSettings:
@@ -79,7 +84,12 @@ class WorkerSettings:
             if type(value) is not int or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0", field=name, value=value)
             numbers[name] = value
-        return cls(extra["etcd"], extra["cluster"], base + tp_rank, **numbers)
+        cadence = tuple((name, extra[name]) for name in CADENCE if name in extra)
+        for name, value in cadence:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number of seconds", field=name, value=value)
+        TransferConfig(**dict(cadence))  # its own range checks, a ConfigError naming the field
+        return cls(extra["etcd"], extra["cluster"], base + tp_rank, **numbers, cadence=cadence)
 
 
 def kv_space(kv_caches: Mapping[str, Any], num_blocks: int) -> BlockSpace:
@@ -154,7 +164,7 @@ class WorkerSide:
         """Join the kvown world with vLLM's KV tensors (``register_kv_caches``). Once per worker."""
         s = self.settings
         config = TransferConfig(transfer_timeout_s=s.transfer_timeout_s, grace_s=s.grace_s,
-                                metrics_port=s.metrics_port, canary=False)
+                                metrics_port=s.metrics_port, canary=False, **dict(s.cadence))
         self.attach(connect_registry(s.etcd, job=s.cluster, rank=s.rank, memory=kv_space(kv_caches, num_blocks),
                                      on_returned=lambda request_id, blocks: None, config=config,
                                      roles=self.roles, ttl_s=s.lease_ttl_s))
