@@ -48,6 +48,8 @@ REGISTRY: dict[str, Workload] = {
                       ("--parts", "fence")),
     "builds": Workload("kvown.apps.benchmarks.builds", None, "engine CPU per session: interpreted vs compiled hot "
                        "path, alternating rounds (needs make build-compiled)"),
+    "idle": Workload("kvown.apps.benchmarks.idle", None, "the code beside one idle rank (torch ops, Python): "
+                     "fixed naps vs the quiet back-off, against alone"),
     "control": Workload("kvown.apps.benchmarks.control", None, "NIXL notification RTT, ZeroMQ RTT, WRITE post -> DONE"),
     "kernels": Workload("kvown.apps.benchmarks.kernels", None, "NVFP4 quantize/dequantize and checksum vs torch's copy"),
     "failstop": Workload("", None, "deadline -> world dead (MPI_Abort); across hosts: --test-hosts N",
