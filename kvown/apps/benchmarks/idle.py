@@ -7,6 +7,8 @@ CPU does) and a pure-Python loop - alone and beside one idle rank (``connect_loc
   fixed    naps of ``idle_sleep_s`` only (``idle_sleep_max_s`` = ``idle_sleep_s``): kvown before the
            quiet back-off, and still what a rank with an open session does
   backoff  the defaults: a quiet rank naps twice as long each time, up to ``idle_sleep_max_s``
+  open     the defaults, with one send open that nobody publishes to: a rank with work in hand keeps
+           naps of ``idle_sleep_s`` (what a server under load sees between its transfers)
 
 Rules:
   1. Baseline in the same run: every round measures alone, fixed and backoff, in a rotating order, and
@@ -25,8 +27,9 @@ import time
 from typing import Any, Callable
 
 from kvown.apps.benchmarks.common import count, environment, plot_figure, progress, save, write_json
+from kvown import make_request_id
 
-MODES = ("alone", "fixed", "backoff")
+MODES = ("alone", "fixed", "backoff", "open")
 
 
 def _torch_ops(n: int) -> Callable[[], None]:
@@ -82,7 +85,10 @@ def _rank(mode: str) -> Any:
 def measure(mode: str, work: dict[str, Callable[[], None]], reps: int, settle_s: float) -> dict[str, float]:
     """One mode of one round: each neighbour's median time, and the engine's CPU share meanwhile."""
     rt = None if mode == "alone" else _rank(mode)
+    request_id = make_request_id(1, 1)
     try:
+        if mode == "open":
+            rt.sender.send(request_id, range(1))
         if rt is not None:
             time.sleep(settle_s)
             cpu0, t0 = rt.statistics().engine_cpu_ns, time.perf_counter_ns()
@@ -93,6 +99,8 @@ def measure(mode: str, work: dict[str, Callable[[], None]], reps: int, settle_s:
                 out["engine_cpu_share"] = (cpu1 - cpu0) / (t1 - t0)
         return out
     finally:
+        if mode == "open":
+            rt.sender.cancel(request_id)
         if rt is not None:
             rt.close()
 
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, dict[str, float]]] = []
     with progress(args.rounds, "idle rank beside code", args.progress) as bar:
         for r in range(args.rounds):
-            order = MODES[r % 3:] + MODES[:r % 3]  # rule 1: no mode always runs first
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]  # rule 1: no mode always runs first
             rounds.append({mode: measure(mode, work, args.reps, args.settle_s) for mode in order})
             bar.update(1)
     summary: dict[str, Any] = {}
@@ -137,7 +145,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     names = [k for k in next(iter(result["summary"].values())) if k.endswith("_slowdown")]
     x = np.arange(len(names))
     for i, (mode, row) in enumerate(result["summary"].items()):
-        ax.bar(x + (i - 0.5) * 0.4, [row[n] for n in names], 0.4, label=mode)
+        ax.bar(x + (i - 1) * 0.27, [row[n] for n in names], 0.27, label=mode)
     ax.axhline(1.0, color="black", lw=1)
     ax.set_xticks(x, [n.removesuffix("_slowdown") for n in names])
     ax.set_ylabel("time beside the idle rank / alone")
