@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvown.adapters.mpirun import kill_group
-from kvown.apps.benchmarks.common import count, environment, plot_figure, progress, save, write_json
+from kvown.apps.benchmarks.common import count, emit, environment, plot_figure, progress, save
 from kvown.apps.benchmarks.registry import CHECKOUT
 
 BUILDS = ("interpreted", "compiled")
@@ -148,11 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except BuildMismatch as exc:
         print(f"kvown bench builds: {exc}", file=sys.stderr)
         return 2
-    report(result)
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, args.plot)
-    return 0
+    return emit(result, args, report, plot)
 
 
 if __name__ == "__main__":

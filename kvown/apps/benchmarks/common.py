@@ -235,6 +235,15 @@ class _NoBar:
         pass
 
 
+def emit(result: dict[str, Any], args: Any, report: Any, plot: Any) -> int:
+    """How every workload's ``main`` ends: print its report, write ``--json``, draw ``--plot``; exit 0."""
+    report(result)
+    write_json(args.json, result)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
 def write_json(path: str | os.PathLike[str] | None, obj: Any) -> None:
     if path:
         Path(path).write_text(json.dumps(obj, indent=1, default=_plain) + "\n")

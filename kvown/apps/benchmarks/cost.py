@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvown.apps.benchmarks.common import KIB, count, count0, environment, progress, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import KIB, count, count0, emit, environment, progress  # noqa: E402
 
 MAX_ROUNDS = 2_000_000  # bound on step rounds of one measurement
 PARTS = ("engine", "scale", "fence", "w4", "levers")  # --parts
@@ -755,11 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scale_live, args.scale_fences, args.fence_ids = 2000, 100_000, 100_000
         args.w4_mib, args.w4_sessions = 4, 5
     result = run(args)
-    report(result)
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, args.plot)
-    return 0
+    return emit(result, args, report, plot)
 
 
 def plot(r: dict[str, Any], path: str) -> None:

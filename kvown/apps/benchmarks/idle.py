@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from kvown.apps.benchmarks.common import count, environment, plot_figure, progress, save, write_json
+from kvown.apps.benchmarks.common import count, emit, environment, plot_figure, progress, save
 from kvown import make_request_id
 
 MODES = ("alone", "fixed", "backoff", "open")
@@ -168,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.reps = min(args.rounds, 3), min(args.reps, 3)
     result = run(args)
-    report(result)
-    write_json(args.json, result)
-    if args.plot:
-        plot(result, args.plot)
-    return 0
+    return emit(result, args, report, plot)
 
 
 if __name__ == "__main__":

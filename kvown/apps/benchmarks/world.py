@@ -47,7 +47,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 import numpy as np  # noqa: E402
 
 from kvown.apps.benchmarks.common import KIB, MIB, cdf, environment, pct, plot_figure, progress, save, size_name  # noqa: E402
-from kvown.apps.benchmarks.common import count, count0, w1_bars, write_json  # noqa: E402
+from kvown.apps.benchmarks.common import count, count0, emit, w1_bars  # noqa: E402
 from kvown.apps.benchmarks.raw import CANARY, RX, BenchError, Raw, soft_barrier, soft_recv  # noqa: E402
 from kvown.apps.benchmarks.raw import spin_until_ns, sync_device  # noqa: E402
 from kvown.apps.benchmarks.slow import SlowSessions  # noqa: E402
@@ -727,10 +727,7 @@ def finish(b: Bench) -> None:
         result["engine_statistics"] = stats
         result["environment"] = env
         result["wall_s"] = round(time.monotonic() - b.t_start, 1)
-        report(result)
-        write_json(b.args.json, result)
-        if b.args.plot:
-            plot(result, b.args.plot)
+        emit(result, b.args, report, plot)
 
 
 def _w2_point(kv: dict[str, Any], b0: dict[str, Any], rtt_us: float, write_us: float) -> dict[str, Any]:
