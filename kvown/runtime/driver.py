@@ -4,8 +4,8 @@ Owns: the rank's cores, control streams and resends, WRITEs in flight, unreporte
 API handles, aux slots, canaries, counters. Engine and simulator run the same ``step`` (docs/design.md s. 14).
 
 Rules:
-  1. ``step(now_ns)`` turns all that arrived into core events, running each batch of actions before the next;
-     it never blocks or sleeps, and reads the injected ``clock`` only to stamp handles (commands rule 4).
+  1. ``step`` turns all that arrived into core events, running each batch of actions before the next; it never
+     blocks, reads ``clock`` only to stamp handles. ``frames_first``: frames older than the commands go first.
   2. One adapter call or handle update per action; ``SendControl`` queues a frame per peer (commands' go first).
   3. No stream keeps a hole: a frame whose send raised is resent as is (CONTROL_LOST: ``control_retry_s``).
   3a. A ``PostWrite`` with a ``result`` posts it as a carried frame: the WRITE's notification, unordered.
@@ -319,9 +319,13 @@ class Driver:
 
     # ---- the step (engine thread) ---------------------------------------------------------------
 
-    def step(self, now_ns: int) -> bool:
+    def step(self, now_ns: int, frames_first: bool = False) -> bool:
         """Do everything that is due at ``now_ns``; True if anything happened (rule 1).
 
+        ``frames_first``: the engine's first step after a nap, whose frames arrived before the command that
+        woke it (a publication and its cancel before the ``send``, which is then born cancelled and posts
+        no WRITE). Otherwise commands go first: a spinning engine's commands are the newer, and their
+        messages should not wait for this step's frames. Either order is one the frames' timing allows.
         Called: by the engine thread in a loop, or by the simulator. After error: an exception other
         than ``InvariantViolation`` escapes (the engine turns it into an ENGINE_CRASH fail-stop).
         """
@@ -329,10 +333,16 @@ class Driver:
             return False
         self._now_ns = now_ns
         try:
-            moved = self._take_commands() if self.inbox else False
+            moved = False
+            if frames_first and self._take_frames():
+                moved = True
+                self._pump()
+            if self.inbox:
+                moved |= self._take_commands()
             if self._outbox:  # rule 2: a command's messages (a publication, a cancel) do not wait for the
                 self._flush_outbox()  # frames this step reads, nor for the WRITEs those may post
-            moved |= self._take_frames()
+            if not frames_first:
+                moved |= self._take_frames()
             if self._writes or self._unreleased:
                 moved |= self._poll_writes()
             if self._pending_tokens or self._local_copies:

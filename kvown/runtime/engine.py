@@ -162,8 +162,8 @@ class Engine:
                 now_ns = self.clock()
                 if now_ns - step_ns > STALL_NS + slept_ns:  # post-mortem evidence: starved, not napping
                     driver.recorder.record("engine_stall", None, gap_us=(now_ns - step_ns) // 1000)
+                moved = driver.step(now_ns, slept_ns > 0)  # after a nap its frames are older than a command
                 step_ns, slept_ns = now_ns, 0
-                moved = driver.step(now_ns)
                 if driver.fatal is not None:
                     return self._park()
                 if moved:

@@ -27,7 +27,7 @@ def _idle_engine(quiet: bool, **config: float) -> tuple[Engine, SimpleNamespace]
                              recorder=SimpleNamespace(record=lambda *a, **k: None),
                              config=TransferConfig(**{**NAP, **config}), quiet=lambda: quiet)
 
-    def step(now_ns: int) -> bool:
+    def step(now_ns: int, frames_first: bool = False) -> bool:
         driver.steps += 1
         while driver.inbox:
             driver.seen_ns.append(time.monotonic_ns() - driver.inbox.popleft())
@@ -81,6 +81,49 @@ def test_the_ceiling_is_validated_by_name() -> None:
         with pytest.raises(ConfigError) as info:
             TransferConfig(idle_sleep_max_s=bad)
         assert info.value.field == "idle_sleep_max_s"
+
+
+# ---- after a nap, frames before the command that ended it -------------------------------------------------
+
+
+def _cancelled_publication_then_send() -> tuple[str, int]:
+    """A writer napping 100 ms gets a publication and its cancel, then its ``send``: the send's outcome and
+    the bytes the writer wrote. Real NIXL, two ranks in one process."""
+    import kvown
+    from kvown import KVLayout, make_request_id
+
+    layout = KVLayout.standard(num_layers=1, num_blocks=8, tokens_per_block=16, num_kv_heads=1, head_dim=64)
+    config = TransferConfig(spin_s=0.002, idle_sleep_s=0.1, idle_sleep_max_s=0.1)
+    rts = kvown.connect_local({0: {"receiver"}, 1: {"sender"}}, config=config, layout=layout)
+    rx, tx = rts[0], rts[1]
+    try:
+        rid = make_request_id(1, 1)
+        tx.sender.cancel(make_request_id(1, 99))  # a command: the writer steps, then starts a 100 ms nap
+        time.sleep(0.005)
+        handle = rx.receiver.receive(rid, 2, writers=(1,))
+        rx.receiver.cancel(rid)
+        time.sleep(0.02)  # both frames wait in the writer's NIXL agent; its nap has ~70 ms to go
+        sent = tx.sender.send(rid, (0, 1))
+        assert handle.retired.wait(10) and sent.released.wait(10)
+        return sent.outcome.result(1).value, tx.statistics().counters.get("bytes_written", 0)
+    finally:
+        for rt in rts.values():
+            rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_send_after_a_nap_meets_the_cancel_that_came_first_and_writes_nothing() -> None:
+    outcome, written = _cancelled_publication_then_send()
+    assert (outcome, written) == ("cancelled", 0)
+
+
+@pytest.mark.interpreted_only
+@pytest.mark.timeout(60)
+def test_mutant_commands_first_after_a_nap_writes_into_a_cancelled_request(monkeypatch) -> None:
+    step = Driver.step
+    monkeypatch.setattr(Driver, "step", lambda self, now_ns, frames_first=False: step(self, now_ns))
+    outcome, written = _cancelled_publication_then_send()
+    assert written > 0, "the send opened before the cancel it came after was read, and still wrote nothing"
 
 
 # ---- Driver.quiet against the audit, over the simulated world -------------------------------------------

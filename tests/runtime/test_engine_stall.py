@@ -28,7 +28,7 @@ def _run_engine(clock_steps_ns: list[int], turns: int) -> list[tuple[str, dict]]
     done = threading.Event()
     count = itertools.count()
 
-    def step(now_ns: int) -> bool:
+    def step(now_ns: int, frames_first: bool = False) -> bool:
         if next(count) >= turns:
             done.set()
         return False
