@@ -72,8 +72,9 @@ class TransferConfig:
             raise ConfigError("canary must be True or False", field="canary", value=self.canary)
         timeout_ns_from_s(self.control_retry_s, field="control_retry_s")
         for name in ("spin_s", "idle_sleep_s", "idle_sleep_max_s"):
-            if not (0 <= getattr(self, name) <= 0.1):
-                raise ConfigError("must be in [0, 0.1] seconds", field=name, value=getattr(self, name))
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.1:
+                raise ConfigError("must be in [0, 0.1] seconds", field=name, value=value)
 
     def core_config(self, rank: int, peers: tuple[int, ...]) -> CoreConfig:
         timeout_ns = timeout_ns_from_s(self.transfer_timeout_s, field="transfer_timeout_s")

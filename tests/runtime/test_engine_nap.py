@@ -77,7 +77,7 @@ def test_a_command_wakes_a_quiet_engine_from_its_long_nap() -> None:
 def test_the_ceiling_is_validated_by_name() -> None:
     from kvown import ConfigError
 
-    for bad in (-1e-3, 0.5, float("nan")):
+    for bad in (-1e-3, 0.5, float("nan"), "0.01", True):
         with pytest.raises(ConfigError) as info:
             TransferConfig(idle_sleep_max_s=bad)
         assert info.value.field == "idle_sleep_max_s"
