@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ContextManager, NoReturn
 
 import torch
@@ -212,14 +212,26 @@ class Driver:
         return min(deadlines, default=None)
 
     def quiet(self) -> bool:
-        """Pure: nothing open, queued or owed - every table ``audit`` counts is empty (a test holds the two
-        together). Called: by the engine thread before a nap; only a quiet rank naps longer (engine rule 3),
-        so all it can meet late is a peer's first frame."""
-        sender = self.sender
-        return not (self.inbox or self._sends or self._recvs or self._writes or self._in_doubt
-                    or self._unreleased or self._local_copies or self.resend or self.inn.held_count()
-                    or (sender is not None and sender.saved_publications())
-                    or any(core.sessions for core in self._core_list))
+        """Pure: nothing open, queued or owed - no command waits and every table ``audit`` counts is empty.
+        Called: by the engine thread before a nap; only a quiet rank naps longer (engine rule 3), so all it
+        can meet late is a peer's first frame."""
+        return not self.inbox and not any(size for _, size in self._tables())
+
+    def _tables(self) -> Iterator[tuple[str, int]]:
+        """(table, entries) for every table that must be empty on a quiet rank, each sized only when
+        reached, so ``quiet`` stops at the first that is not. Pure."""
+        sender, cores = self.sender, self._core_list
+        yield "sessions", sum(len(c.sessions) for c in cores)
+        yield "receive_handles", len(self._recvs)
+        yield "send_states", len(self._sends)
+        yield "writes_in_flight", len(self._writes)
+        yield "writes_in_doubt", len(self._in_doubt)
+        yield "unreleased_handles", len(self._unreleased)
+        yield "unsent_frames", self.resend.frames()
+        yield "local_copies", len(self._local_copies)
+        yield "aux_slots_used", self.config.aux_slots - len(self._aux_free)
+        yield "saved_publications", sender.saved_publications() if sender is not None else 0
+        yield "held_frames", self.inn.held_count()
 
     def statistics(self) -> Statistics:
         """A frozen snapshot for dashboards, benchmarks and checks. Called: any thread (takes ``lock``)."""
@@ -250,20 +262,8 @@ class Driver:
     def audit(self, *, check_canaries: bool = True, restamp: bool = False) -> Audit:
         """The tables that must be empty on a quiet rank, fence figures, and the canaries of every free
         block (``restamp``: stamp broken ones again, so a long run counts each once). Engine thread."""
-        sender, cores = self.sender, self._core_list
-        tables = {
-            "sessions": sum(len(c.sessions) for c in cores),
-            "receive_handles": len(self._recvs),
-            "send_states": len(self._sends),
-            "writes_in_flight": len(self._writes),
-            "writes_in_doubt": len(self._in_doubt),
-            "unreleased_handles": len(self._unreleased),
-            "unsent_frames": self.resend.frames(),
-            "local_copies": len(self._local_copies),
-            "aux_slots_used": self.config.aux_slots - len(self._aux_free),
-            "saved_publications": sender.saved_publications() if sender is not None else 0,
-            "held_frames": self.inn.held_count(),
-        }
+        cores = self._core_list
+        tables = dict(self._tables())
         free = tuple(self.pool.free_blocks()) if isinstance(self.pool, KVPool) else ()
         broken: list[Any] = []
         if check_canaries and self.canaries is not None and free:
