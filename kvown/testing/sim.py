@@ -18,7 +18,8 @@ Rules:
      consumers are slow, local copies are queued after delivery, cancelled ids are opened again, and
      insiders forge acks for other writers.
   3. The clock jumps to the earliest of: the next workload event, a rank's core deadline, a rank's
-     held frame or WRITE becoming due. Ranks with work are stepped until quiet at each instant.
+     held frame, WRITE or nap becoming due. Ranks with work are stepped until quiet at each instant; a
+     napping rank's frames wait until the nap ends or a command wakes it, then go first (as the engine's).
   4. The oracles (``kvown.testing.oracles``, one class each) run after every rank step and at the end;
      a violation raises ``InvariantViolation`` with its ``tag``, ``oracle``, the seed and the decision log.
 """
@@ -90,6 +91,8 @@ class SimConfig:
     p_impostor: float = 0.0  # per request: an outsider forges a writer's ack
     p_slow_consumer: float = 0.1  # the consumer holds delivered blocks for up to 2 timeouts
     p_local_copy: float = 0.2  # the consumer queues a local copy into delivered blocks
+    p_nap: float = 0.0  # a rank whose frames arrive naps through them, for 1..nap_ns
+    nap_ns: int = 40
     deaths: int = 0
     max_steps: int = 40000
 
@@ -113,6 +116,7 @@ class SimConfig:
             p_stall=0.01 if faulty and r.random() < 0.3 else 0.0,
             p_impostor=0.3 if r.random() < 0.15 else 0.0,
             deaths=1 if r.random() < 0.12 else 0,
+            p_nap=0.2 if r.random() < 0.5 else 0.0,  # drawn last: the draws above keep their seeds' values
         )
 
 
@@ -162,7 +166,8 @@ class _Rank:
         self.driver, self.engine = stack.driver, stack.engine  # the engine is never started
         self.api: Sender | Receiver | None = None
         self.bytes = self.pool.tensor.numpy()  # the pool's bytes, for the producer and the verifier
-        self.wake: int | None = None  # cached: changes only when this rank is stepped
+        self.wake: int | None = None  # cached: changes only when this rank is stepped, or starts a nap
+        self.nap_until: int | None = None  # napping: frames wait until then or until a command
         self.tickets: dict[int, tuple[Ticket, int]] = {}  # rid -> (ticket, tries)
         self.recvs: dict[int, ReceiveHandle] = {}
         self.sends: dict[int, SendHandle] = {}
@@ -204,6 +209,7 @@ class SimWorld:
         self.opened, self.concluded, self.local_copies = f.opened, f.concluded, f.local_copies
         self.ready, self.src_owner, self._born_fenced = f.ready, f.src_owner, f.born_fenced
         self.verified: set[tuple[int, int]] = set()
+        self.client_cancelled: set[tuple[int, int]] = set()  # (rank, rid) the embedding server cancelled
         self._plan()
         self._oracles()
 
@@ -331,6 +337,7 @@ class SimWorld:
 
     def _cancel(self, rank: int, rid: int) -> None:
         self.counts["client_cancels"] += 1
+        self.client_cancelled.add((rank, rid))
         if any(dst == f"sim-r{self.requests[rid].receiver}" for _, dst, _ in self.fabric.unfinished_writes()):
             self.counts["cancel_mid_transfer"] += 1
         self.ranks[rank].api.cancel(rid)  # type: ignore[union-attr]
@@ -407,12 +414,7 @@ class SimWorld:
             self._observe_outcome(r, rid, handle)
             if handle.landed.is_set() and (r, rid) not in self.verified:
                 self.verified.add((r, rid))
-                self._verify_landed(r, rid, handle)
-                if self.rng.random() < self.config.p_local_copy:
-                    self._at(self.now + self.rng.randint(0, 20), "local_copy", r, lambda q=rid: self._local_copy(r, q))
-                slow = self.rng.random() < self.config.p_slow_consumer
-                hold = self.rng.randint(1, 2 * self.config.timeout_ns) if slow else self.rng.randint(1, 40)
-                self._at(self.now + hold, "consumer_release", r, lambda q=rid: self._release(r, q))
+                self._consume(r, rid, handle)
             if handle.retired.is_set():
                 del rank.recvs[rid]
                 self.counts["retired"] += 1
@@ -425,6 +427,20 @@ class SimWorld:
                 for b in self.src_blocks.pop((r, rid), ()):
                     self.src_owner.pop((r, b), None)
                     self.src_free[r].append(b)
+
+    def _consume(self, r: int, rid: int, handle: ReceiveHandle) -> None:
+        """A landing, seen once: verify its bytes, then maybe a local copy, and a release later."""
+        if handle.retired.is_set() and (r, rid) in self.client_cancelled:
+            # one step landed it and then took the client's older cancel, which gave the blocks back (a
+            # napping rank reads frames first): nothing was left for the consumer to read
+            self.counts["landed_then_cancelled"] += 1
+            return
+        self._verify_landed(r, rid, handle)
+        if self.rng.random() < self.config.p_local_copy:
+            self._at(self.now + self.rng.randint(0, 20), "local_copy", r, lambda q=rid: self._local_copy(r, q))
+        slow = self.rng.random() < self.config.p_slow_consumer
+        hold = self.rng.randint(1, 2 * self.config.timeout_ns) if slow else self.rng.randint(1, 40)
+        self._at(self.now + hold, "consumer_release", r, lambda q=rid: self._release(r, q))
 
     def _observe_outcome(self, rank: int, rid: int, handle: SendHandle | ReceiveHandle) -> None:
         if not handle.outcome.done() or (rank, rid) in self.concluded:
@@ -491,14 +507,19 @@ class SimWorld:
         pending = set(dirty)
         inboxes = [(r, agent) for r in self.ranks if (agent := self.fabric._agents.get(f"sim-r{r}")) is not None]
         for _ in range(SETTLE_ROUNDS):
-            pending.update(r for r, agent in inboxes if agent.inbox)
-            pending = {r for r in pending if self._live(r)}
+            pending.update(r for r, agent in inboxes if agent.inbox and not self._naps(r, pending))
+            gone = {r for r in pending if not self._live(r)}
+            for r in gone:
+                self.ranks[r].wake = None  # dead or fail-stopped, mid-nap too: never stepped again
+            pending -= gone
             if not pending:
                 return
             r = min(pending)
             pending.discard(r)
             rank = self.ranks[r]
-            rank.driver.step(self.now)
+            napped, rank.nap_until = rank.nap_until is not None, None
+            self.counts["frames_before_commands"] += napped and bool(rank.driver.inbox)
+            rank.driver.step(self.now, frames_first=napped)
             self.counts["steps"] += 1
             self._check_after_step(rank)
             self._observe(r)
@@ -506,6 +527,20 @@ class SimWorld:
             if rank.wake is not None and rank.wake <= self.now:
                 pending.add(r)
         raise self.violation("b", f"ranks did not go quiet at t={self.now} (livelock)")
+
+    def _naps(self, r: int, pending: set[int]) -> bool:
+        """True while rank ``r`` naps through the frames in its inbox; a rank with no step due may be drawn
+        to start a nap now (``p_nap``). Its wake is then the nap's end at the latest."""
+        rank = self.ranks[r]
+        if rank.nap_until is not None:
+            return rank.nap_until > self.now
+        if r in pending or not self._live(r) or not self.config.p_nap or self.rng.random() >= self.config.p_nap:
+            return False
+        rank.nap_until = self.now + self.rng.randint(1, self.config.nap_ns)
+        rank.wake = rank.nap_until if rank.wake is None else min(rank.wake, rank.nap_until)
+        self.counts["naps"] += 1
+        self._say(f"rank {r} naps until t={rank.nap_until}")
+        return True
 
     def run(self, steps: int | None = None) -> dict[str, int]:
         """Run to the end (or ``steps`` steps), then the end-of-run checks. Returns the counts."""

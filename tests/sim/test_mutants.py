@@ -158,6 +158,15 @@ def carried_copies_counted_twice(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Router, "_carried", carried)
 
 
+def complete_before_every_piece_reported(mp: pytest.MonkeyPatch) -> None:
+    """The receiver calls a session delivered once each slice's writer reported one piece, not all."""
+
+    def complete(s: ReceiveSession) -> bool:
+        return len(s.cohort) >= s.num_slices and not any(s.writers[r].failed for r in s.cohort.values())
+
+    mp.setattr(ReceiverCore, "_complete", staticmethod(complete))
+
+
 MUTANTS = [  # (mutant, the oracle tag it must trip)
     (retire_on_cancel_without_ack, "a"),
     # an early ack either lets the receiver retire under a live WRITE (a), or the result that follows the
@@ -178,6 +187,8 @@ MUTANTS = [  # (mutant, the oracle tag it must trip)
     (every_report_rides_its_write, ("a", "c")),
     (late_carried_report_disputed, "c"),
     (carried_copies_counted_twice, "c"),
+    # the consumer reads blocks whose WRITEs have not landed: stale bytes (e)
+    (complete_before_every_piece_reported, "e"),
 ]
 
 

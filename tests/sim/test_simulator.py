@@ -39,6 +39,7 @@ EXPECTED_PROBES = (
     "pattern_fan_in",
     "pattern_broadcast",
     "pattern_single",
+    "frames_before_commands",  # a napping rank woken by a command reads its older frames first
 )
 
 
