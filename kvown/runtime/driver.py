@@ -217,6 +217,11 @@ class Driver:
         can meet late is a peer's first frame."""
         return not self.inbox and not any(size for _, size in self._tables())
 
+    def retry_due(self) -> bool:
+        """Pure: a frame whose send raised, or a DONE handle whose release raised, is retried on the next
+        step (rules 3 and 4). The simulator's next instant for an otherwise idle rank."""
+        return bool(self.resend) or bool(self._unreleased)
+
     def _tables(self) -> Iterator[tuple[str, int]]:
         """(table, entries) for every table that must be empty on a quiet rank, each sized only when
         reached, so ``quiet`` stops at the first that is not. Pure."""

@@ -478,8 +478,8 @@ class SimWorld:
         if not self._live(rank.rank):
             return None
         dues = [d for d in (rank.driver.next_deadline_ns(), rank.faulty.next_due_ns()) if d is not None]
-        if rank.driver.resend:
-            dues.append(self.now + 1)  # a failed send is retried on the next step
+        if rank.driver.retry_due():
+            dues.append(self.now + 1)  # a failed send or release is retried on the next step
         return min(dues, default=None)
 
     def step(self) -> bool:
