@@ -1,17 +1,23 @@
 """Deliberately broken code: each mutant patches one guard of the real production code (cores, streams,
-driver), and the simulator must catch it - with the oracle it breaks, by tag - within the seed budget.
+driver, pool), and the simulator must catch it - by the oracle class it breaks - within the seed budget;
+every oracle class is named by at least one mutant.
 The seed that catches a mutant must run clean without it, and mutant state lives in the world it
 patched, so a seed replays identically. A mutant that survives means an oracle or the workload has a
 blind spot."""
 
 from __future__ import annotations
 
+import heapq
+
 import pytest
 
 from kvown.core.actions import Outcome
 from kvown.core.deadline import RetirementClock
 from kvown.core.errors import AdapterError, InvariantViolation
-from kvown.core.fence import CancellationFence
+from kvown.cache.pool import BlockState, KVPool
+from kvown.core.fence import CancellationFence, CancelOrigin, _SeqTable
+from kvown.core.ids import split_request_id
+from kvown.core.machine import RankCore
 from kvown.core.events import MessageReceived
 from kvown.core.messages import Envelope, ResultStatus, SessionQuiesced
 from kvown.core.receiver import ReceiverCore, ReceiveSession, _Writer
@@ -20,6 +26,8 @@ from kvown.core import receiver as receiver_module
 from kvown.core.sender import SenderCore, _Stream
 from kvown.core.streams import InboundStreams
 from kvown.runtime.resend import ResendQueue
+from kvown.testing import oracles as oracles_module
+from kvown.testing.oracles import Oracle
 from kvown.testing.sim import SimWorld
 
 SEED_BUDGET = 1000  # every mutant must die within the CI budget
@@ -167,28 +175,87 @@ def complete_before_every_piece_reported(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ReceiverCore, "_complete", staticmethod(complete))
 
 
-MUTANTS = [  # (mutant, the oracle tag it must trip)
-    (retire_on_cancel_without_ack, "a"),
+def install_forgets_the_epochs_fences(mp: pytest.MonkeyPatch) -> None:
+    """Fencing an id starts a new table for its epoch: the epoch's earlier fences vanish (raw tables)."""
+
+    def install(self, request_id, origin):
+        epoch, seq = split_request_id(request_id)
+        table = self._tables[epoch] = _SeqTable()
+        return CancelOrigin(table.add(seq, int(origin)))
+
+    mp.setattr(CancellationFence, "install", install)
+
+
+def engine_leaves_the_kill_to_the_watchdog(mp: pytest.MonkeyPatch) -> None:
+    """The core's clock applies timeouts but never fail-stops at a fatal deadline, so only the watchdog
+    thread's ``check_fatal`` would: a daemon thread as the only road to the kill."""
+
+    def advance(self, now_ns, actions):
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now_ns:
+            due.append(heapq.heappop(self._deadlines))
+            self._queued.discard(due[-1])
+        for _, request_id in due:
+            session = self.sessions.get(request_id)
+            if session is not None:
+                self._evaluate(request_id, session, now_ns, actions)
+                if request_id in self.sessions:
+                    self._schedule(request_id, session)
+
+    mp.setattr(RankCore, "_advance", advance)
+
+
+def hold_keeps_counting_owned(mp: pytest.MonkeyPatch) -> None:
+    """OWNED -> HELD forgets to take the blocks off the owned counter (the pool's own check trips)."""
+
+    def hold(self, blocks):
+        blocks = self._validated(blocks, allowed={BlockState.OWNED}, owner=None)
+        for block in blocks:
+            self._state[block] = BlockState.HELD
+        self._num_held += len(blocks)
+        self.check()
+
+    mp.setattr(KVPool, "hold", hold)
+
+
+def hold_keeps_counting_owned_unchecked(mp: pytest.MonkeyPatch) -> None:
+    """The same miscount with the pool's own check gone: the oracle must see it on its own."""
+    hold_keeps_counting_owned(mp)
+    mp.setattr(KVPool, "check", lambda self, deep=False: None)
+
+
+def retire_leaks_the_last_block(mp: pytest.MonkeyPatch) -> None:
+    """Retirement gives back every block of a request but the last, which no session holds any more."""
+    original = KVPool.retire
+    mp.setattr(KVPool, "retire", lambda self, blocks, owner: original(self, tuple(blocks)[:-1] or tuple(blocks), owner))
+
+
+MUTANTS = [  # (mutant, the oracle class(es) that must catch it; each oracle's tag is in its class)
+    (retire_on_cancel_without_ack, "RetirementProof"),
     # an early ack either lets the receiver retire under a live WRITE (a), or the result that follows the
     # ack on the stream exposes the lie and the receiver disputes it (c): both are this mutant's footprint
-    (ack_before_in_flight_write_done, ("a", "c")),
+    (ack_before_in_flight_write_done, ("RetirementProof", "EvidenceOnce")),
     # a forged ack settles the named writer early: the receiver retires under that writer's WRITE (a), or,
     # when the writer's report rides on its WRITE and lands after the forged ack, disputes it (c)
-    (ack_from_unpublished_writer, ("a", "c")),
-    (resettable_deadline, "b"),
-    (fence_consumed_once, "d"),
-    (first_failure_retires_despite_active_sibling, "a"),
-    (post_before_source_ready, "f"),
-    (streams_redeliver_duplicates, "c"),
-    (in_doubt_settles_on_ack, "a"),
-    (driver_forgets_a_failed_send, "g"),
-    (decline_claims_the_slice, "c"),
-    (local_copy_inherits_the_request_deadline, "b"),
-    (every_report_rides_its_write, ("a", "c")),
-    (late_carried_report_disputed, "c"),
-    (carried_copies_counted_twice, "c"),
-    # the consumer reads blocks whose WRITEs have not landed: stale bytes (e)
-    (complete_before_every_piece_reported, "e"),
+    (ack_from_unpublished_writer, ("RetirementProof", "EvidenceOnce")),
+    (resettable_deadline, "SessionBounds"),
+    (fence_consumed_once, "SessionBounds"),  # (d): a session for a fenced id not born cancelled
+    (first_failure_retires_despite_active_sibling, "RetirementProof"),
+    (post_before_source_ready, "WritesAfterReady"),
+    (streams_redeliver_duplicates, "EvidenceOnce"),
+    (in_doubt_settles_on_ack, "RetirementProof"),
+    (driver_forgets_a_failed_send, "NoStreamHoles"),
+    (decline_claims_the_slice, "EvidenceOnce"),
+    (local_copy_inherits_the_request_deadline, "SessionBounds"),
+    (every_report_rides_its_write, ("RetirementProof", "EvidenceOnce")),
+    (late_carried_report_disputed, "EvidenceOnce"),
+    (carried_copies_counted_twice, "EvidenceOnce"),
+    (complete_before_every_piece_reported, "LandedBytes"),  # the consumer reads unlanded blocks
+    (install_forgets_the_epochs_fences, "FencesNeverReopen"),
+    (engine_leaves_the_kill_to_the_watchdog, "WatchdogAgrees"),
+    (hold_keeps_counting_owned, "NoInvariantFailStop"),
+    (hold_keeps_counting_owned_unchecked, "PoolAccounting"),
+    (retire_leaks_the_last_block, "EndState"),
 ]
 
 
@@ -204,15 +271,23 @@ def _first_caught(budget: int = SEED_BUDGET) -> tuple[int, InvariantViolation]:
 @pytest.mark.sim
 @pytest.mark.timeout(600)
 @pytest.mark.interpreted_only
-@pytest.mark.parametrize(("mutant", "tag"), MUTANTS, ids=[m.__name__ for m, _ in MUTANTS])
-def test_simulator_catches_mutant(mutant, tag, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("mutant", "oracles"), MUTANTS, ids=[m.__name__ for m, _ in MUTANTS])
+def test_simulator_catches_mutant(mutant, oracles, monkeypatch: pytest.MonkeyPatch) -> None:
     mutant(monkeypatch)
     seed, error = _first_caught()
     _SIDE.clear()
     assert error.seed == seed and f"seed={seed}" in str(error)  # the report names the seed to replay
-    assert error.tag in tag, f"caught by the wrong oracle ({error.tag}, not {tag}): {str(error)[:400]}"
+    assert error.oracle in oracles, f"caught by the wrong oracle ({error.oracle}, not {oracles}): {str(error)[:400]}"
     monkeypatch.undo()
     SimWorld(seed).run()  # the catching seed is clean without the mutant
+
+
+def test_every_oracle_has_a_mutant() -> None:
+    """A check that no mutant trips is a check nobody has seen fail."""
+    named = {o for _, oracles in MUTANTS for o in ((oracles,) if isinstance(oracles, str) else oracles)}
+    classes = {c.__name__ for c in vars(oracles_module).values()
+               if isinstance(c, type) and issubclass(c, Oracle) and c is not Oracle}
+    assert classes <= named, f"oracles without a mutant: {sorted(classes - named)}"
 
 
 @pytest.mark.sim
