@@ -614,6 +614,8 @@ def rendezvous_client_one_input(data: bytes) -> str:
     except PeerProtocolError as exc:
         expect_field(exc)  # the client keeps no state
         return f"rejected:{exc.fields['field']}"
+    if blob is not None and (type(blob) is not bytes or len(blob) > rv.MAX_BLOB_NBYTES):
+        raise FuzzFinding(f"lookup returned a blob it should have refused: {type(blob).__name__}")
     return "not_found" if blob is None else "found"
 
 
@@ -765,6 +767,7 @@ def _rendezvous_seeds() -> dict[str, dict[str, bytes]]:
         "lookup": req({"op": int(rv.Op.LOOKUP), "name": "rank2"}),
         "lookup_missing": req({"op": int(rv.Op.LOOKUP), "name": "rank9"}),
         "unknown_op": req({"op": 7, "name": "rank1"}),
+        "publish_text_blob": req({"op": int(rv.Op.PUBLISH), "name": "rank1", "blob": "not bytes"}),
         "raw_header": b"\x02" + header + b"x" * 20,
         "bad_magic": b"\x00XXXX\x01\x02\x00\x00\x00\x00",
     }
@@ -779,6 +782,7 @@ def _rendezvous_seeds() -> dict[str, dict[str, bytes]]:
         "rejected": answer({"code": int(rv.Reply.REJECTED), "field": "name"}),
         "short_challenge": answer({"code": 0}, challenge=b"short"),
         "forged_reply": answer({"code": 0, "blob": b"x"}, mode=2),
+        "found_text_blob": answer({"code": int(rv.Reply.OK), "blob": "not bytes"}),
     }
     return out
 
@@ -840,10 +844,35 @@ def _mutant_carried_frame_unchecked() -> None:
     messages._check_carried = lambda seq, items: None  # type: ignore[assignment]
 
 
+def _mutant_rendezvous_stores_before_check() -> None:
+    """The rendezvous server stores a PUBLISH's blob before it checks it (INV-RV-1 broken)."""
+    from kvown.adapters import rendezvous as rv
+
+    original = rv.RendezvousServer._handle
+
+    def handle(self: Any, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("name")
+        if body.get("op") == rv.Op.PUBLISH and isinstance(name, str) and "blob" in body:
+            with self._lock:
+                self._table[name] = body["blob"]
+        return original(self, body)
+
+    rv.RendezvousServer._handle = handle  # type: ignore[method-assign]
+
+
+def _mutant_rendezvous_blob_unchecked() -> None:
+    """The rendezvous client hands back a lookup's blob without checking its type or size."""
+    from kvown.adapters import rendezvous as rv
+
+    rv._blob_of = lambda reply: reply.get("blob") if reply["code"] == rv.Reply.OK else None  # type: ignore[assignment]
+
+
 MUTANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "unchecked_request_id": ("frame", _mutant_unchecked_request_id),
     "streams_touch_before_check": ("frame", _mutant_streams_touch_before_check),
     "receiver_touch_before_check": ("core", _mutant_receiver_touch_before_check),
     "peer_info_unvalidated": ("peer_info", _mutant_peer_info_unvalidated),
     "carried_frame_unchecked": ("frame", _mutant_carried_frame_unchecked),
+    "rendezvous_stores_before_check": ("rendezvous_server", _mutant_rendezvous_stores_before_check),
+    "rendezvous_blob_unchecked": ("rendezvous_client", _mutant_rendezvous_blob_unchecked),
 }

@@ -51,6 +51,11 @@ def test_planted_bug_is_caught_within_ci_budget(mutant, tmp_path):
     assert replay_outcome(target, crash) != "crash"  # the same input passes on the real code
 
 
+def test_every_target_has_a_planted_bug():
+    """A target whose oracles no planted bug has tripped has oracles nobody has seen fail."""
+    assert set(ft.TARGETS) <= {target for target, _ in ft.MUTANTS.values()}
+
+
 def replay_outcome(target: str, data: bytes) -> str:
     try:
         return ft.TARGETS[target].one_input(data)
