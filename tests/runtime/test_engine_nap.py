@@ -130,8 +130,7 @@ def test_mutant_commands_first_after_a_nap_writes_into_a_cancelled_request(monke
 
 
 def _disagreements(seeds: range) -> tuple[int, int, list[str]]:
-    """(quiet checks, busy checks, disagreements) after every step of each seed's world; and at its end,
-    every live rank must be quiet, or a rank that served requests would never back off again."""
+    """(quiet checks, busy checks, disagreements) after every step of each seed's world."""
     quiet = busy = 0
     bad: list[str] = []
     for seed in seeds:
