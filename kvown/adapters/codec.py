@@ -16,7 +16,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgpack
 
@@ -100,9 +100,10 @@ class FrameCodec:
             body = self._pack([2, src, dst, seq, 0, *([int(m.KIND), *m.wire_fields()] for m in messages)])
         return body + self._mac.tag(body)
 
-    def encode_carried(self, src: int, dst: int, message: Message) -> bytes:
-        """The frame a WRITE carries as its notification (``messages`` rule 1)."""
-        body = self._pack([2, src, dst, 0, 1, [int(message.KIND), *message.wire_fields()]])
+    def encode_carried(self, src: int, dst: int, messages: Sequence[Message]) -> bytes:
+        """The frame a WRITE carries as its notification: the final report of each session whose blocks
+        that one transfer writes (``messages`` rule 1)."""
+        body = self._pack([2, src, dst, 0, 1, *([int(m.KIND), *m.wire_fields()] for m in messages)])
         return body + self._mac.tag(body)
 
     def decode(self, data: object) -> Frame:

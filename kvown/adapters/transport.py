@@ -5,16 +5,16 @@ record (``PeerInfo``: agent, block space, aux address, roles); the prepped descr
 blocks, ours and one per peer; and the map from agent names to ranks.
 
 Rules:
-  1. One call per action: ``send`` one sealed control frame; ``write`` one ``PostWrite`` and, optionally,
-     the sealed frame NIXL delivers as the WRITE's notification once data and flush completed
-     (``notif``). Descriptors, byte ranges, addresses and NIXL's tri-state "posted" flag stay here.
+  1. One call per action: ``send`` one sealed control frame; ``write`` one ``PostWrite`` (or whole-block KV
+     ones for one receiver, coalesced) and, optionally, the sealed frame NIXL delivers as the WRITE's
+     notification once data and flush completed (``notif``). Descriptors, byte ranges, addresses and
+     NIXL's tri-state "posted" flag stay here.
   2. ``write`` answers with exactly one typed outcome: ``Posted`` (poll until DONE), ``NotPosted``
      (nothing can touch memory; also a peer's block id out of range: it never raises for that) or
      ``InDoubt`` (the post raised part-way: the handle is rooted and polled; only DONE proves quiescence).
   3. ``send`` raising ``AdapterError`` means *delivery unknown*: NIXL may or may not have sent it.
-  4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; an unknown agent's frame comes back
-     with rank ``None`` (dropped by the driver), or with ``defer_unknown`` (worlds that join over
-     time) waits, up to ``MAX_DEFERRED``, until ``connect`` adds its agent.
+  4. ``receive`` returns ``(rank, frame)`` pairs in arrival order; an unknown agent's frame comes back with
+     rank ``None`` (dropped), or with ``defer_unknown`` waits, up to ``MAX_DEFERRED``, for its ``connect``.
   5. Called from one thread only (the engine thread), like the endpoint below it.
   6. ``poll`` answers in kvown's words (``WriteStatus``), never NIXL's: DONE is the only proof of
      quiescence; IN_DOUBT (NIXL's ERROR) may still turn into DONE, so the handle is polled on.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
 from kvown.adapters.nixl import MemKind, NixlEndpoint, XferHandle, XferStatus
@@ -197,7 +198,7 @@ class Transport(Protocol):
 
     def send(self, rank: int, frame: bytes) -> None: ...
     def receive(self) -> list[tuple[int | None, bytes]]: ...
-    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome: ...
+    def write(self, actions: Sequence[PostWrite], local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome: ...
     def poll(self, handle: Any) -> WriteStatus: ...
     def release(self, handle: Any) -> None: ...
 
@@ -288,38 +289,23 @@ class KVTransport:
 
     # ---- data (rule 2) -----------------------------------------------------------------------
 
-    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
-        """Post one WRITE for ``action`` (with ``notif`` as its NIXL notification when given).
+    def write(self, actions: Sequence[PostWrite], local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
+        """Post one WRITE for ``actions`` (with ``notif`` as its NIXL notification when given): one action,
+        or several whole-block KV pieces for one receiver coalesced into one transfer (rule 1).
 
-        Called: per PostWrite, engine thread. Never raises (rule 2).
+        Called: per PostWrite, or per coalesced group of them, engine thread. Never raises (rule 2).
         """
+        action = actions[0]
         peer = self.peers.get(action.receiver_rank)
         if peer is None:
             return NotPosted(f"rank {action.receiver_rank} is not a known peer")
+        if len(actions) > 1 and any(a.kind is PieceKind.AUX or a.num_slices != 1
+                                    or a.receiver_rank != action.receiver_rank for a in actions):
+            return NotPosted("only whole-block KV pieces for one receiver are coalesced")
+        if action.kind is PieceKind.AUX and local_aux_slot < 0:
+            return NotPosted("no aux payload")
         try:
-            if action.kind is PieceKind.AUX:
-                if local_aux_slot < 0:
-                    return NotPosted("no aux payload")
-                n = self._aux_slot_nbytes
-                handle = self.endpoint.post_write(
-                    peer.agent_name, [(self._aux_addr + local_aux_slot * n, n)],
-                    [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM, notif=notif)
-            elif action.num_slices == 1:
-                if len(self.space.regions) == 1 and len(peer.space.regions) == 1 and len(action.src_blocks) <= 64:
-                    local_idx: Any = list(action.src_blocks)  # one region: a block's index is its id
-                    remote_idx: Any = list(action.dst_blocks)  # (the endpoint checks the range)
-                else:
-                    local_idx = self.space.indices(action.src_blocks)
-                    remote_idx = peer.space.indices(action.dst_blocks)
-                handle = self.endpoint.post_write_blocks(peer.agent_name, self._local_prep, local_idx,
-                                                         self._remote_prep[action.receiver_rank], remote_idx,
-                                                         notif)
-            else:
-                local = self.space.slice_ranges(action.src_blocks, action.slice_index, action.num_slices)
-                remote = peer.space.slice_ranges(action.dst_blocks, action.slice_index, action.num_slices)
-                handle = self.endpoint.post_write(peer.agent_name, local, remote, self._mem,
-                                                  MemKind(peer.space.mem), device_id=self.space.device_id,
-                                                  remote_device_id=peer.space.device_id, notif=notif)
+            handle = self._post(peer, actions, local_aux_slot, notif)
         except AdapterError as exc:
             if getattr(exc, "posted", False) is None:  # transfer() itself raised
                 return InDoubt(exc.handle, str(exc))  # type: ignore[attr-defined]
@@ -327,6 +313,33 @@ class KVTransport:
         except KvownError as exc:  # our own checks (block ids, sizes) refused it before NIXL saw it
             return NotPosted(str(exc))
         return Posted(handle, handle.nbytes, handle.status is not XferStatus.IN_PROGRESS)
+
+    def _post(self, peer: PeerInfo, actions: Sequence[PostWrite], local_aux_slot: int,
+              notif: bytes | None) -> XferHandle:
+        action = actions[0]
+        if action.kind is PieceKind.AUX:
+            n = self._aux_slot_nbytes
+            return self.endpoint.post_write(peer.agent_name, [(self._aux_addr + local_aux_slot * n, n)],
+                                            [(peer.aux_addr + action.aux_slot * n, n)], MemKind.DRAM,
+                                            notif=notif)
+        if action.num_slices == 1:  # whole blocks through the prepped lists (INV-T1)
+            src, dst = action.src_blocks, action.dst_blocks
+            for a in actions[1:]:
+                src += a.src_blocks
+                dst += a.dst_blocks
+            if len(self.space.regions) == 1 and len(peer.space.regions) == 1 and len(src) <= 64:
+                local_idx: Any = list(src)  # one region: a block's index is its id
+                remote_idx: Any = list(dst)  # (the endpoint checks the range)
+            else:
+                local_idx = self.space.indices(src)
+                remote_idx = peer.space.indices(dst)
+            return self.endpoint.post_write_blocks(peer.agent_name, self._local_prep, local_idx,
+                                                   self._remote_prep[action.receiver_rank], remote_idx, notif)
+        local = self.space.slice_ranges(action.src_blocks, action.slice_index, action.num_slices)
+        remote = peer.space.slice_ranges(action.dst_blocks, action.slice_index, action.num_slices)
+        return self.endpoint.post_write(peer.agent_name, local, remote, self._mem, MemKind(peer.space.mem),
+                                        device_id=self.space.device_id, remote_device_id=peer.space.device_id,
+                                        notif=notif)
 
     def poll(self, handle: XferHandle) -> WriteStatus:
         return _WRITE_STATUS[self.endpoint.poll(handle)]

@@ -7,8 +7,9 @@ Rules:
   1. A frame on the wire is ``body || tag``: ``tag`` is HMAC-SHA256(job key, body), checked in constant
      time before anything is decoded; ``body`` is a msgpack array, one message (``FRAME_SINGLE``) or a
      batch of 1..MAX_BATCH (``FRAME_BATCH``: one stream position, applied in order). A frame with
-     ``FLAG_CARRIED`` rides on a WRITE as its notification: ``seq`` 0 (no position), exactly one final
-     SUCCESS report (``kvown.core.sender`` rule 6). Layouts: docs/design.md section 14.
+     ``FLAG_CARRIED`` rides on a WRITE as its notification: ``seq`` 0 (no position), 1..MAX_CARRIED final
+     SUCCESS reports, one per session that transfer writes (``kvown.core.sender`` rule 6). Layouts:
+     docs/design.md section 14.
   2. ``from_wire`` validates every field's type and range and raises ``PeerProtocolError`` naming the
      first bad field. It builds a new object and touches no state, so a rejected message changes
      nothing.
@@ -35,12 +36,15 @@ from kvown.core.ids import is_valid_request_id
 from kvown.core.record import Record, record_fields
 
 PROTOCOL_VERSION = 1
-# "batched_frames": FRAME_BATCH bodies; "carried_results": a WRITE's notification carries its result.
-CAPABILITIES = ("session_quiesced", "epoch_fence", "in_doubt", "batched_frames", "carried_results")
+# "batched_frames": FRAME_BATCH bodies; "carried_results": a WRITE's notification carries its result;
+# "carried_batches": one transfer may write several sessions and carry each one's result.
+CAPABILITIES = ("session_quiesced", "epoch_fence", "in_doubt", "batched_frames", "carried_results",
+                "carried_batches")
 FRAME_SINGLE = PROTOCOL_VERSION  # the one-message layout keeps its historical first item
 FRAME_BATCH = 2
 FLAG_CARRIED = 1
 MAX_BATCH = 1024  # messages per batch frame (the engine also splits by size, below MAX_FRAME_NBYTES)
+MAX_CARRIED = 16  # reports per carried frame: the sessions one coalesced transfer writes
 TAG_NBYTES = 32
 MAX_FRAME_NBYTES = 1 << 20
 MAX_BLOCKS = 1 << 16
@@ -433,15 +437,16 @@ def frame_from_wire(obj: Any) -> Frame:
 
 
 def _check_carried(seq: int, messages: list[Message]) -> None:
-    """Rule 1: a carried frame is one final SUCCESS result and takes no stream position."""
+    """Rule 1: a carried frame is 1..MAX_CARRIED final SUCCESS results and takes no stream position."""
     if seq != 0:
         raise PeerProtocolError("a carried frame takes no stream position (seq must be 0)", field="seq", got=seq)
-    if len(messages) != 1:
-        raise PeerProtocolError("a carried frame holds exactly one message", field="messages", count=len(messages))
-    m = messages[0]
-    if not isinstance(m, (KvResult, AuxResult)) or m.status is not ResultStatus.SUCCESS or not m.is_last:
-        raise PeerProtocolError("a carried frame holds only a final SUCCESS result", field="carried",
-                                kind=m.KIND.name)
+    if len(messages) > MAX_CARRIED:
+        raise PeerProtocolError("a carried frame holds at most MAX_CARRIED reports", field="messages",
+                                count=len(messages), most=MAX_CARRIED)
+    for m in messages:
+        if not isinstance(m, (KvResult, AuxResult)) or m.status is not ResultStatus.SUCCESS or not m.is_last:
+            raise PeerProtocolError("a carried frame holds only final SUCCESS results", field="carried",
+                                    kind=m.KIND.name)
 
 
 # ---- authentication -----------------------------------------------------------------------------

@@ -10,8 +10,8 @@ Rules:
      there). Each message it releases goes to one core: REQUEST_DATA and CANCEL_SESSION to the
      sender, WATERMARK to every core, every other kind to the receiver. A message for a role this rank
      does not have is a ``Delivery`` with no core and ``Drop.NO_ROLE``.
-  3. A carried frame is outside the ordered streams. Its report goes to the receiver core at most
-     once per (writer, kind, piece) while its request is live: a copy of one already handed over is
+  3. A carried frame is outside the ordered streams. Each report (one per session the WRITE wrote) goes
+     to the receiver core at most once per (writer, kind, piece) while its request is live: a copy is
      ``Drop.DUPLICATE``, one for a request with no live receive session is ``Drop.STALE`` (retired, or
      never ours: the core would refuse it too). A carried frame for a rank without the receiver role
      raises ``PeerProtocolError``.
@@ -49,7 +49,7 @@ class Delivery(Record):
     def __init__(self, event: MessageReceived, index: int, cores: tuple[RankCore[Any], ...],
                  drop: Drop | None = None) -> None:
         self.event: Final = event
-        self.index: Final = index  # the message's position in its frame (0 for a carried report)
+        self.index: Final = index  # the message's position in its frame
         self.cores: Final = cores
         self.drop: Final = drop
 
@@ -78,7 +78,10 @@ class Router:
             if frame.dst_rank != self.rank:
                 raise PeerProtocolError("carried frame addressed to another rank", field="dst_rank",
                                         got=frame.dst_rank, want=self.rank)
-            return [self._carried(src, frame.messages[0])]
+            if self.receiver is None:  # before any report is remembered: the frame changes nothing
+                raise PeerProtocolError("carried result for a rank without the receiver role",
+                                        field="carried")
+            return [self._carried(src, m, index) for index, m in enumerate(frame.messages)]
         out = []
         for f in self.streams.deliver(frame):
             for index, message in enumerate(f.messages):
@@ -95,24 +98,23 @@ class Router:
             return self._cores
         return (self.receiver,) if self.receiver is not None else ()
 
-    def _carried(self, src: int, message: Any) -> Delivery:
-        """Rule 3: a WRITE's notification (a final SUCCESS result; ``frame_from_wire`` checked that)."""
+    def _carried(self, src: int, message: Any, index: int) -> Delivery:
+        """Rule 3: one report of a WRITE's notification (final SUCCESS; ``frame_from_wire`` checked)."""
         assert isinstance(message, (KvResult, AuxResult))
         rx = self.receiver
-        if rx is None:
-            raise PeerProtocolError("carried result for a rank without the receiver role", field="carried")
+        assert rx is not None
         event = MessageReceived(Envelope(src, self.rank, 0, message), carried=True)
         rid = message.request_id
         key = (src, message.KIND, message.piece)
         seen = self._carried_seen.get(rid)
         if seen is not None and key in seen:
-            return Delivery(event, 0, (), Drop.DUPLICATE)
+            return Delivery(event, index, (), Drop.DUPLICATE)
         if rid not in rx.sessions:
-            return Delivery(event, 0, (), Drop.STALE)
+            return Delivery(event, index, (), Drop.STALE)
         if seen is None:  # remembered until the session retires (``forget``)
             seen = self._carried_seen[rid] = set()
         seen.add(key)
-        return Delivery(event, 0, (rx,))
+        return Delivery(event, index, (rx,))
 
     def forget(self, request_id: int) -> None:
         """The request retired: its carried reports need no remembering. Called: engine thread."""

@@ -51,6 +51,9 @@ class TransferConfig:
     control_retry_s: float = 1.0  # resend a control frame whose send raised for this long, then fail-stop
     # A single-operation stream's report rides on its WRITE as the NIXL notification (sender rule 6).
     carry_results: bool = True
+    # A step's carried WRITEs to one peer go as one transfer whose notification carries each report
+    # (driver rule 3a): one post, status check and notification for up to MAX_CARRIED sessions.
+    coalesce_writes: bool = True
     # kvown's own CPU pool asks for transparent huge pages (kvown.cache.hostmem rule 2); False: base pages.
     huge_pages: bool = True
 
@@ -64,12 +67,9 @@ class TransferConfig:
                 raise ConfigError("must be a positive integer", field=name, value=value)
         if type(self.metrics_port) is not int or not (0 <= self.metrics_port < 65536):
             raise ConfigError("metrics_port must be 0 (off) or a TCP port", field="metrics_port", value=self.metrics_port)
-        if not isinstance(self.carry_results, bool):
-            raise ConfigError("carry_results must be True or False", field="carry_results", value=self.carry_results)
-        if not isinstance(self.huge_pages, bool):
-            raise ConfigError("huge_pages must be True or False", field="huge_pages", value=self.huge_pages)
-        if not isinstance(self.canary, bool):
-            raise ConfigError("canary must be True or False", field="canary", value=self.canary)
+        for name in ("carry_results", "coalesce_writes", "huge_pages", "canary"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False", field=name, value=getattr(self, name))
         timeout_ns_from_s(self.control_retry_s, field="control_retry_s")
         for name in ("spin_s", "idle_sleep_s", "idle_sleep_max_s"):
             value = getattr(self, name)

@@ -8,11 +8,11 @@ Rules:
      blocks, reads ``clock`` only to stamp handles. ``frames_first``: frames older than the commands go first.
   2. One adapter call or handle update per action; ``SendControl`` queues a frame per peer (commands' go first).
   3. No stream keeps a hole: a frame whose send raised is resent as is (CONTROL_LOST: ``control_retry_s``).
-  3a. A ``PostWrite`` with a ``result`` posts it as a carried frame: the WRITE's notification, unordered.
+  3a. A ``PostWrite``'s ``result`` is carried: its WRITE's notification (unordered). Whole-block ones wait for
+      the pump to run dry, then go as one transfer per peer with every report (``coalesce_writes``).
   4. A WRITE whose poll answered IN_DOUBT, or whose post raised, is never released: polled until DONE.
-  5. Bad peer input is dropped and counted; it changes no core state.
-  6. A FailStop (core, resends, canary, ``InvariantViolation``) latches ``fatal``, once; then all stays held.
-     A core's ``LocalProtocolError`` inside ``step`` is our bug: the INVARIANT fail-stop (6a).
+  5. Bad peer input is dropped and counted. 6. A FailStop (core, resends, canary, InvariantViolation) latches
+     ``fatal`` once, then all stays held; a core's LocalProtocolError in ``step`` is our bug (6a: INVARIANT).
   7. Other threads call ``submit`` and pure readers only (``check_fatal``, ``next_deadline_ns``, ``view``,
      ``statistics``, ``earliest_deadline_ns``, ``quiet``); cores are touched under ``lock``, held per event.
   7a. Late or refused inputs are settled here (counted no-ops: closes of retired receives, a watermark under
@@ -48,6 +48,7 @@ from kvown.core.actions import (
     FailStop,
     FatalReason,
     Outcome,
+    PieceKind,
     PostWrite,
     ReleaseSource,
     RetireBlocks,
@@ -73,7 +74,7 @@ from kvown.core.events import (
     WriteSubmitted,
 )
 from kvown.core.machine import RankCore
-from kvown.core.messages import MAX_BATCH, Message
+from kvown.core.messages import MAX_BATCH, MAX_CARRIED, Message
 from kvown.core.receiver import ReceiverCore
 from kvown.core.routing import Drop, Router
 from kvown.core.sender import SenderCore
@@ -174,7 +175,9 @@ class Driver:
         self._events: collections.deque[tuple[RankCore[Any], Event]] = collections.deque()
         self._outbox: dict[int, list[Message]] = {}  # dst -> messages of this step (rule 2)
         self.batch_frames = True  # rule 2; False sends one frame per message (benchmarks compare the two)
-        self._writes: dict[int, Any] = {}  # op_id -> handle, posted and not yet DONE
+        self._writes: dict[Any, list[int]] = {}  # transfer handle -> op ids it writes; posted, not yet DONE
+        self.coalesce_writes = config.coalesce_writes  # rule 3a
+        self._coalesced: list[PostWrite] = []  # carried WRITEs of this pump, held back to go as one per peer
         self._in_doubt: set[int] = set()  # op ids whose post raised or whose handle reported ERROR
         self._unreleased: list[Any] = []  # DONE handles whose release failed: retried each step
         self._sends: dict[int, _SendState] = {}
@@ -376,15 +379,20 @@ class Driver:
         return self._core_list
 
     def _pump(self) -> None:
-        """Feed queued events to their core, executing each batch of actions before the next event."""
-        while self._events and self.fatal is None:
-            core, event = self._events.popleft()
-            actions = self._handle(core, event)
-            if actions is None:
-                continue
-            if core is self.sender and type(event) in _MAY_PUBLISH and self._unpublished:
-                self._note_publication(event)  # before the actions: one of them may post (posted_ns after it)
-            self._execute(core, actions)
+        """Feed queued events to their core, executing each batch of actions before the next event; then post
+        the carried WRITEs held back (rule 3a), whose submit events pump again."""
+        while True:
+            while self._events and self.fatal is None:
+                core, event = self._events.popleft()
+                actions = self._handle(core, event)
+                if actions is None:
+                    continue
+                if core is self.sender and type(event) in _MAY_PUBLISH and self._unpublished:
+                    self._note_publication(event)  # before the actions: one may post (posted_ns after it)
+                self._execute(core, actions)
+            if not self._coalesced or self.fatal is not None:
+                return
+            self._post_coalesced()
 
     def _handle(self, core: RankCore[Any], event: Event) -> list[Action] | None:
         """One event into its core under ``lock`` (rule 7); None: a peer's bad input, dropped (rule 5)."""
@@ -653,30 +661,33 @@ class Driver:
                 self._unreleased.remove(handle)
             except KvownError:
                 self.stats["release_failures"] += 1
-        for op_id, handle in list(self._writes.items()):
-            moved |= self._check_write(op_id, handle)
+        for handle, op_ids in list(self._writes.items()):
+            moved |= self._check_write(handle, op_ids)
         return moved
 
-    def _check_write(self, op_id: int, handle: Any) -> bool:
-        """Poll one WRITE in flight; turn DONE or a first ERROR into its one core event."""
+    def _check_write(self, handle: Any, op_ids: list[int]) -> bool:
+        """Poll one transfer in flight; turn DONE or a first ERROR into one core event per op it writes."""
         status = self.transport.poll(handle)
         if status is WriteStatus.IN_FLIGHT:
             return False
         if status is WriteStatus.DONE:
-            del self._writes[op_id]
-            self._in_doubt.discard(op_id)
+            del self._writes[handle]
             try:
                 self.transport.release(handle)
             except KvownError:  # NIXL kept the handle: it stays rooted there; try again later
                 self.stats["release_failures"] += 1
                 self._unreleased.append(handle)
-            self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
+            for op_id in op_ids:
+                self._in_doubt.discard(op_id)
+                self._events.append((self.sender, WriteCompleted(op_id)))  # type: ignore[arg-type]
             return True
-        if op_id not in self._in_doubt:  # IN_DOUBT (NIXL's ERROR): keep polling the same handle (rule 4)
-            self._in_doubt.add(op_id)
-            self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
-            return True
-        return False
+        moved = False
+        for op_id in op_ids:  # IN_DOUBT (NIXL's ERROR): keep polling the same handle (rule 4)
+            if op_id not in self._in_doubt:
+                self._in_doubt.add(op_id)
+                self._events.append((self.sender, WriteFailed(op_id, repr(getattr(handle, "error", None)))))  # type: ignore[arg-type]
+                moved = True
+        return moved
 
     def _poll_tokens(self) -> bool:
         moved = False
@@ -726,7 +737,11 @@ class Driver:
                 else:
                     queue.append(action.message)
             elif isinstance(action, PostWrite):
-                self._post(action)
+                if self.coalesce_writes and action.result is not None and action.num_slices == 1 \
+                        and action.kind is PieceKind.KV:
+                    self._coalesced.append(action)  # rule 3a: posted when the pump runs dry
+                else:
+                    self._post([action])
             elif isinstance(action, Deliver):
                 handle = self._recvs.get(action.request_id)
                 if handle is not None:
@@ -759,32 +774,53 @@ class Driver:
             state.handle.released_ns = self._stamp()
             self._finish(state.handle, state.handle.released)
 
-    def _post(self, action: PostWrite) -> None:
-        """One PostWrite, one transport call, exactly one submit event back (rule 2)."""
-        state = self._sends.get(action.request_id)
-        notif = None
-        if action.result is not None:  # rule 3a: the WRITE carries its report
-            notif = self.codec.encode_carried(self.rank, action.receiver_rank, action.result)
-        self.recorder.note(EV_POST, action.request_id, action.op_id, action.receiver_rank, notif is not None)
-        outcome = self.transport.write(action, state.aux_slot if state is not None else -1, notif)
-        self.recorder.note(EV_POST_RETURNED, action.request_id, action.op_id)  # the copy ran inside (UCX cma)
+    def _post_coalesced(self) -> None:
+        """Rule 3a: the pump's carried WRITEs, one transfer per peer (``MAX_CARRIED`` reports at most)."""
+        held, self._coalesced = self._coalesced, []
+        groups: dict[int, list[PostWrite]] = {}
+        for action in held:
+            group = groups.setdefault(action.receiver_rank, [])
+            if len(group) == MAX_CARRIED:
+                self._post(group)
+                group = groups[action.receiver_rank] = []
+            group.append(action)
+        for group in groups.values():
+            self._post(group)
+
+    def _post(self, actions: list[PostWrite]) -> None:
+        """One transport call for a PostWrite or a coalesced group; a submit event per action (rule 2)."""
+        first = actions[0]
+        state = self._sends.get(first.request_id)
+        results = [a.result for a in actions if a.result is not None]
+        notif = self.codec.encode_carried(self.rank, first.receiver_rank, results) if results else None
+        for a in actions:
+            self.recorder.note(EV_POST, a.request_id, a.op_id, a.receiver_rank, notif is not None)
+        outcome = self.transport.write(actions, state.aux_slot if state is not None else -1, notif)
+        op_ids = [a.op_id for a in actions]
+        for a in actions:
+            self.recorder.note(EV_POST_RETURNED, a.request_id, a.op_id)  # the copy ran inside (UCX cma)
         if isinstance(outcome, Posted):
-            handle = outcome.handle
-            self._writes[action.op_id] = handle
+            self._writes[outcome.handle] = op_ids
             self.stats["bytes_written"] += outcome.nbytes
-            if state is not None and not state.handle.posted_ns:
-                state.handle.posted_ns = self._stamp()
-            self._events.append((self.sender, WriteSubmitted(action.op_id)))  # type: ignore[arg-type]
+            if len(op_ids) > 1:
+                self.stats["writes_coalesced"] += len(op_ids)
+            for a in actions:
+                send = self._sends.get(a.request_id)
+                if send is not None and not send.handle.posted_ns:
+                    send.handle.posted_ns = self._stamp()
+                self._events.append((self.sender, WriteSubmitted(a.op_id)))  # type: ignore[arg-type]
             # Done inside the post (UCX cma): reported in this step, with no library call. An unsettled
             # one waits for the next step's poll (polled at once it never was DONE: 1500 of 1500).
             if outcome.settled:
-                self._check_write(action.op_id, handle)
+                self._check_write(outcome.handle, op_ids)
         elif isinstance(outcome, NotPosted):
-            self._events.append((self.sender, WriteNotSubmitted(action.op_id, outcome.reason)))  # type: ignore[arg-type]
+            for op_id in op_ids:
+                self._events.append((self.sender, WriteNotSubmitted(op_id, outcome.reason)))  # type: ignore[arg-type]
         elif isinstance(outcome, InDoubt):
-            self._writes[action.op_id] = outcome.handle  # rooted and polled until DONE (rule 4)
-            self._in_doubt.add(action.op_id)
-            self._events.append((self.sender, WriteSubmitFailed(action.op_id, outcome.reason)))  # type: ignore[arg-type]
+            self._writes[outcome.handle] = op_ids  # rooted and polled until DONE (rule 4)
+            self._in_doubt.update(op_ids)
+            for op_id in op_ids:
+                self._events.append((self.sender, WriteSubmitFailed(op_id, outcome.reason)))  # type: ignore[arg-type]
 
     def _conclude(self, core: RankCore[Any], action: Conclude) -> None:
         rid = action.request_id

@@ -27,7 +27,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,7 +330,7 @@ class FaultyTransport:
 
     # ---- writes ---------------------------------------------------------------------------------
 
-    def write(self, action: PostWrite, local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
+    def write(self, actions: Sequence[PostWrite], local_aux_slot: int, notif: bytes | None = None) -> WriteOutcome:
         self._flush_out()
         p, now = self.profile, self.clock()
         if self._fires("not-posted", p.p_not_posted):
@@ -347,11 +347,11 @@ class FaultyTransport:
             fate.error_until_ns = fate.due_ns + self._latency(p.write_ns) * 4
             fate.settles = self.rng.random() < p.p_late_done
         raises = self._fires("post-raises", p.p_post_raises)
-        outcome = self.inner.write(action, local_aux_slot)  # rule 3: the notification is ours to send
+        outcome = self.inner.write(actions, local_aux_slot)  # rule 3: the notification is ours to send
         if isinstance(outcome, NotPosted):
             return outcome
         if notif is not None and not (fate.stuck or fate.error_until_ns is not None or raises):
-            fate.notif = (action.receiver_rank, notif)
+            fate.notif = (actions[0].receiver_rank, notif)
         self._writes[id(outcome.handle)] = fate
         if isinstance(outcome, Posted) and raises:
             return InDoubt(outcome.handle, "injected: transfer() raised after posting")

@@ -44,6 +44,7 @@ from kvown.core.messages import (
     FRAME_BATCH,
     MAX_BATCH,
     MAX_BLOCKS,
+    MAX_CARRIED,
     MAX_NBYTES,
     MAX_PIECE,
     MAX_RANK,
@@ -172,7 +173,8 @@ FIELD_SPEC: dict[str, Callable[[Any], bool]] = {
 
 def check_fields(frame: Frame) -> None:
     """Rule 5: every field of an accepted frame and of each of its messages is inside its documented
-    range, and a carried frame is what ``messages`` rule 1 says (one final SUCCESS result, seq 0).
+    range, and a carried frame is what ``messages`` rule 1 says (1..MAX_CARRIED final SUCCESS results,
+    seq 0).
 
     A field this table does not know is a finding too: a new message field must be given a spec here
     before the fuzzer can vouch for it.
@@ -184,11 +186,10 @@ def check_fields(frame: Frame) -> None:
         raise FuzzFinding(f"decode accepted seq={frame.seq!r}")
     if not 1 <= len(frame.messages) <= MAX_BATCH:
         raise FuzzFinding(f"decode accepted a frame of {len(frame.messages)} messages")
-    if frame.carried:
-        m = frame.messages[0]
-        if (frame.seq != 0 or len(frame.messages) != 1 or not isinstance(m, (KvResult, AuxResult))
-                or m.status is not ResultStatus.SUCCESS or m.is_last is not True):
-            raise FuzzFinding(f"decode accepted a carried frame that is not one final SUCCESS report: {frame!r:.120}")
+    if frame.carried and (frame.seq != 0 or len(frame.messages) > MAX_CARRIED or not all(
+            isinstance(m, (KvResult, AuxResult)) and m.status is ResultStatus.SUCCESS and m.is_last is True
+            for m in frame.messages)):
+        raise FuzzFinding(f"decode accepted a carried frame that is not final SUCCESS reports: {frame!r:.120}")
     for message in frame.messages:
         for name in record_fields(type(message)):
             spec = FIELD_SPEC.get(name)
@@ -678,7 +679,9 @@ def _frame_seeds() -> dict[str, bytes]:
     frame["carried"] = _batch(0, LOCAL, 0, kv, flags=FLAG_CARRIED)
     frame["carried_not_final"] = _batch(0, LOCAL, 0, KvResult(0, RID_ACTIVE, 0, False, ResultStatus.SUCCESS, 0),
                                         flags=FLAG_CARRIED)
-    frame["carried_two"] = _batch(0, LOCAL, 0, kv, kv, flags=FLAG_CARRIED)
+    frame["carried_two"] = _batch(0, LOCAL, 0, kv, KvResult(0, RID_SEND_WAITING, 0, True, ResultStatus.SUCCESS, 8),
+                                  flags=FLAG_CARRIED)
+    frame["carried_too_many"] = _batch(0, LOCAL, 0, *[kv] * (MAX_CARRIED + 1), flags=FLAG_CARRIED)
     return frame
 
 

@@ -92,6 +92,7 @@ class SimConfig:
     p_slow_consumer: float = 0.1  # the consumer holds delivered blocks for up to 2 timeouts
     p_local_copy: float = 0.2  # the consumer queues a local copy into delivered blocks
     p_nap: float = 0.0  # a rank whose frames arrive naps through them, for 1..nap_ns
+    p_burst: float = 0.0  # a request arrives with the one before, same pair, one piece (coalesced WRITEs)
     nap_ns: int = 40
     deaths: int = 0
     max_steps: int = 40000
@@ -116,7 +117,8 @@ class SimConfig:
             p_stall=0.01 if faulty and r.random() < 0.3 else 0.0,
             p_impostor=0.3 if r.random() < 0.15 else 0.0,
             deaths=1 if r.random() < 0.12 else 0,
-            p_nap=0.2 if r.random() < 0.5 else 0.0,  # drawn last: the draws above keep their seeds' values
+            p_nap=0.2 if r.random() < 0.5 else 0.0,  # drawn after the others: they keep their seeds' values
+            p_burst=0.5 if r.random() < 0.3 else 0.0,  # last, for the same reason
         )
 
 
@@ -259,8 +261,12 @@ class SimWorld:
 
     def _plan(self) -> None:
         c, r = self.config, self.rng
-        t = 0
+        t, t_send, prev = 0, 0, None
         for i in range(c.num_requests):
+            if prev is not None and c.p_burst and r.random() < c.p_burst:  # no draw when off: seeds keep paths
+                req = prev = self._burst(prev, make_request_id(r.randrange(0, 3), i))
+                self._schedule(req, t, t_send, "burst")
+                continue
             t += r.randint(1, 2 * c.arrival_ns)
             rid = make_request_id(r.randrange(0, 3), i)
             pattern = r.choice(("single", "fan_in", "broadcast"))
@@ -273,22 +279,34 @@ class SimWorld:
             writers = tuple(r.sample(self.senders, slices * groups))
             g = r.randrange(groups)
             pieces = r.randint(1, 3)
-            req = _Request(rid, r.choice(self.receivers), writers, slices, writers[g * slices : (g + 1) * slices],
-                           pieces, pieces + r.randint(0, 3), r.random() < 0.5, r.random() < 0.5)
-            self.requests[rid] = req
-            self.counts[f"pattern_{pattern}"] += 1
+            req = prev = _Request(rid, r.choice(self.receivers), writers, slices,
+                                  writers[g * slices : (g + 1) * slices], pieces, pieces + r.randint(0, 3),
+                                  r.random() < 0.5, r.random() < 0.5)
             t_send = t + r.randint(0, 80) if req.gen_first else max(0, t - r.randint(0, 80))
-            self._at(t, "open_receive", req.receiver, lambda q=req: self._open_receive(q))
-            for w in req.selected:
-                self._at(t_send, "open_send", w, lambda q=req, w=w: self._open_send(q, w))
-            if r.random() < c.p_cancel:
-                side = r.choice((req.receiver, *req.writers))
-                self._at(t + r.randint(0, c.timeout_ns), "client_cancel", side, lambda s=side, q=rid: self._cancel(s, q))
-            if r.random() < c.p_impostor:
-                self._at(t + r.randint(0, c.timeout_ns), "forge_ack", None, lambda q=req: self._forge_ack(q))
+            self._schedule(req, t, t_send, pattern)
         for _ in range(c.deaths):
             victim = r.choice(self.senders + self.receivers)
             self._at(r.randint(0, t + 200), "death", victim, lambda v=victim: self._kill(v))
+
+    def _burst(self, lead: _Request, rid: int) -> _Request:
+        """A request arriving with ``lead``: the same receiver and writers, one piece and no aux payload,
+        so its WRITE may go in one transfer with its neighbours' (driver rule 3a)."""
+        nblocks = self.rng.randint(1, 4)
+        return _Request(rid, lead.receiver, lead.writers, lead.num_slices, lead.selected, 1, nblocks, False,
+                        lead.gen_first)
+
+    def _schedule(self, req: _Request, t: int, t_send: int, pattern: str) -> None:
+        c, r = self.config, self.rng
+        self.requests[req.rid] = req
+        self.counts[f"pattern_{pattern}"] += 1
+        self._at(t, "open_receive", req.receiver, lambda q=req: self._open_receive(q))
+        for w in req.selected:
+            self._at(t_send, "open_send", w, lambda q=req, w=w: self._open_send(q, w))
+        if r.random() < c.p_cancel:
+            side = r.choice((req.receiver, *req.writers))
+            self._at(t + r.randint(0, c.timeout_ns), "client_cancel", side, lambda s=side, q=req.rid: self._cancel(s, q))
+        if r.random() < c.p_impostor:
+            self._at(t + r.randint(0, c.timeout_ns), "forge_ack", None, lambda q=req: self._forge_ack(q))
 
     def _open_receive(self, req: _Request, tries: int = 0) -> None:
         rank = self.ranks[req.receiver]
@@ -577,7 +595,7 @@ class SimWorld:
             self.counts.update({f"fault_{k}": v for k, v in rank.faulty.counts.items()})
             stats = rank.driver.stats
             for name in ("control_resent", "release_failures", "receive_errors", "rejected_frames",
-                         "rejected_peer_input", "admission_refused"):
+                         "rejected_peer_input", "admission_refused", "writes_coalesced"):
                 self.counts[name] += stats.get(name, 0)
             self.counts["duplicates_dropped"] += rank.driver.inn.duplicates
             core = rank.driver.sender or rank.driver.receiver

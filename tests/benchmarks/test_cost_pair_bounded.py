@@ -11,6 +11,7 @@ from kvown.apps.benchmarks.cost import Pair, PairSpec, Rids
 from kvown.testing.fake_nixl import FakeFabric
 
 SESSIONS, WINDOW = 600, 4
+BOUND = 2 * WINDOW + 64  # what the fabric may keep: WRITEs in flight, finished ones not yet pruned
 
 
 def _tracked_after_run() -> tuple[int, list]:
@@ -25,7 +26,7 @@ def _tracked_after_run() -> tuple[int, list]:
 @pytest.mark.timeout(120)
 def test_a_long_run_keeps_only_the_writes_in_flight() -> None:
     tracked, posted = _tracked_after_run()
-    assert tracked <= 2 * WINDOW + 64, tracked
+    assert tracked <= BOUND, tracked
     assert posted == []  # record_posted=False: nobody reads it here
 
 
@@ -33,4 +34,4 @@ def test_a_long_run_keeps_only_the_writes_in_flight() -> None:
 def test_mutant_a_fabric_that_never_prunes_is_caught(monkeypatch) -> None:
     monkeypatch.setattr(FakeFabric, "_prune_xfers", lambda self: None)
     tracked, _ = _tracked_after_run()
-    assert tracked >= SESSIONS  # every WRITE of the run is still there
+    assert tracked > BOUND  # every WRITE of the run is still there (several sessions may share one)

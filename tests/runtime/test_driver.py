@@ -33,10 +33,10 @@ class Pair(DriverPair):
     """A sender rank and a receiver rank, each the production driver over one fabric."""
 
     def __init__(self, *, timeout_ns: int = 10_000, grace_ns: int = 10_000, retry_ns: int = 1_000,
-                 clock=None, layout: KVLayout = LAYOUT) -> None:
+                 clock=None, layout: KVLayout = LAYOUT, **levers: bool) -> None:
         config = TransferConfig(transfer_timeout_s=timeout_ns * 1e-9, grace_s=grace_ns * 1e-9,
                                 control_retry_s=retry_ns * 1e-9, aux_slots=4, aux_slot_nbytes=8,
-                                metrics_port=0, canary=True)
+                                metrics_port=0, canary=True, **levers)
         super().__init__(config, layout=layout, key=KEY, clock=clock)  # clock: the engine's (API calls, stamps)
 
     def transfer(self, seq: int, nblocks: int = 2):
@@ -464,7 +464,8 @@ def test_the_clock_check_catches_stamps_taken_from_the_steps_start(monkeypatch: 
 @pytest.mark.timeout(30)
 def test_the_clock_check_catches_a_publication_stamped_after_its_post(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the old order in ``_pump`` - the actions (the WRITE's post) first, then the publication's
-    stamp - gives ``posted_ns < published_ns`` whenever the publication and the post share a step."""
+    stamp - gives ``posted_ns < published_ns`` whenever the publication and the post share a step. Without
+    coalescing: a coalesced WRITE posts after the pump, which would hide the order (rule 3a)."""
     def old_pump(self: Driver) -> None:
         while self._events and self.fatal is None:
             core, event = self._events.popleft()
@@ -477,7 +478,7 @@ def test_the_clock_check_catches_a_publication_stamped_after_its_post(monkeypatc
 
     monkeypatch.setattr(Driver, "_pump", old_pump)
     clock = _AdvancingClock()
-    p = Pair(clock=clock)
+    p = Pair(clock=clock, coalesce_writes=False)
     clock.pair = p
     assert any(v < 0 for v in _handle_times_are_true(p))
 

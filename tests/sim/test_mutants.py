@@ -13,6 +13,7 @@ import pytest
 
 from kvown.core.actions import Outcome
 from kvown.core.deadline import RetirementClock
+from kvown.adapters.transport import KVTransport
 from kvown.core.errors import AdapterError, InvariantViolation
 from kvown.cache.pool import BlockState, KVPool
 from kvown.core.fence import CancellationFence, CancelOrigin, _SeqTable
@@ -160,8 +161,9 @@ def late_carried_report_disputed(mp: pytest.MonkeyPatch) -> None:
 def carried_copies_counted_twice(mp: pytest.MonkeyPatch) -> None:
     """The receiver's driver hands every copy of a carried report to the core (no duplicate check)."""
 
-    def carried(self, src, message):
-        return Delivery(MessageReceived(Envelope(src, self.rank, 0, message), carried=True), 0, (self.receiver,))
+    def carried(self, src, message, index):
+        return Delivery(MessageReceived(Envelope(src, self.rank, 0, message), carried=True), index,
+                        (self.receiver,))
 
     mp.setattr(Router, "_carried", carried)
 
@@ -173,6 +175,14 @@ def complete_before_every_piece_reported(mp: pytest.MonkeyPatch) -> None:
         return len(s.cohort) >= s.num_slices and not any(s.writers[r].failed for r in s.cohort.values())
 
     mp.setattr(ReceiverCore, "_complete", staticmethod(complete))
+
+
+def coalesced_transfer_writes_only_its_first_session(mp: pytest.MonkeyPatch) -> None:
+    """A coalesced transfer (driver rule 3a) writes the first session's blocks only, yet its notification
+    carries every session's report."""
+    original = KVTransport._post
+    mp.setattr(KVTransport, "_post",
+               lambda self, peer, actions, slot, notif: original(self, peer, actions[:1], slot, notif))
 
 
 def install_forgets_the_epochs_fences(mp: pytest.MonkeyPatch) -> None:
@@ -251,6 +261,7 @@ MUTANTS = [  # (mutant, the oracle class(es) that must catch it; each oracle's t
     (late_carried_report_disputed, "EvidenceOnce"),
     (carried_copies_counted_twice, "EvidenceOnce"),
     (complete_before_every_piece_reported, "LandedBytes"),  # the consumer reads unlanded blocks
+    (coalesced_transfer_writes_only_its_first_session, "LandedBytes"),
     (install_forgets_the_epochs_fences, "FencesNeverReopen"),
     (engine_leaves_the_kill_to_the_watchdog, "WatchdogAgrees"),
     (hold_keeps_counting_owned, "NoInvariantFailStop"),

@@ -40,6 +40,8 @@ EXPECTED_PROBES = (
     "pattern_broadcast",
     "pattern_single",
     "frames_before_commands",  # a napping rank woken by a command reads its older frames first
+    "pattern_burst",
+    "writes_coalesced",  # sessions that went in one transfer with others (driver rule 3a)
 )
 
 

@@ -350,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="events each rank's flight recorder keeps")
     ap.add_argument("--no-carry", action="store_true",
                     help="reports travel as control frames after the DONE poll (TransferConfig.carry_results=False)")
+    ap.add_argument("--no-coalesce", action="store_true",
+                    help="one transfer per session (TransferConfig.coalesce_writes=False)")
     ap.add_argument("--no-huge-pages", action="store_true",
                     help="CPU pools and raw buffers in base pages (both sides; TransferConfig.huge_pages)")
     ap.add_argument("--device", default="cpu", help="cpu (DRAM pools) or cuda (VRAM pools, one GPU per host)")
@@ -488,7 +490,7 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
     w2_sizes = sorted({max(block, s // block * block) for s in args.w2_sizes})
     num_blocks = max(max(w1_sizes) // block * window * 2, args.w3_blocks * 2, 8)
     layout = KVLayout.standard(num_blocks=num_blocks, **geometry)
-    levers = {"carry_results": False} if args.no_carry else {}
+    levers = {"carry_results": not args.no_carry, "coalesce_writes": not args.no_coalesce}
     config = TransferConfig(transfer_timeout_s=5.0, spin_s=args.spin_s, idle_sleep_s=args.idle_sleep_s,
                             flight_capacity=args.flight_capacity, huge_pages=not args.no_huge_pages, **levers)
     rt = connect_mpi(comm, layout=layout, config=config, roles={"receiver"} if rank == RX else {"sender"},
@@ -513,7 +515,7 @@ def open_bench(args: argparse.Namespace, comm: Any) -> Bench:
     slow = SlowSessions(args.slow_s, config.transfer_timeout_s + (config.grace_s or config.transfer_timeout_s) + 5)
     result: dict[str, Any] = {"benchmark": "world", "ranks": size, "block_nbytes": block, "window": window,
                               "heads": heads, "engine_spin_s": config.spin_s,
-                              "carry_results": getattr(config, "carry_results", False),
+                              "carry_results": config.carry_results, "coalesce_writes": config.coalesce_writes,
                               "engine_idle_sleep_s": config.idle_sleep_s,
                               "huge_pages": {"asked": config.huge_pages, "thp_mode": thp_mode(),
                                              "advised": getattr(rt.pool, "huge_pages_advised", False)},
