@@ -46,6 +46,7 @@ class PairSpec:
     num_blocks: int = 256
     carry: bool = True
     batch: bool = True
+    coalesce: bool = True
     fake: bool = False
     timeout_s: float = 60.0
 
@@ -67,7 +68,8 @@ class Pair:
         layout = KVLayout.standard(num_layers=layers, num_blocks=spec.num_blocks, tokens_per_block=tokens,
                                    num_kv_heads=heads, head_dim=dim, dtype="bfloat16")
         assert layout.block_nbytes == spec.block_nbytes, layout.block_nbytes
-        levers = {"carry_results": spec.carry} if "carry_results" in TransferConfig.__dataclass_fields__ else {}
+        fields = TransferConfig.__dataclass_fields__
+        levers = {k: v for k, v in (("carry_results", spec.carry), ("coalesce_writes", spec.coalesce)) if k in fields}
         config = TransferConfig(transfer_timeout_s=spec.timeout_s, metrics_port=0, **levers)
         # no oracle reads the fake's record of posted WRITEs here: keeping it would grow the heap the
         # collector walks, and that would be counted as kvown's cost
