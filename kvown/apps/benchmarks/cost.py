@@ -328,7 +328,7 @@ def engine_cost(sessions: int, window: int, nb: int, spec: PairSpec, reps: int =
                 pair.close()
     med = {k: round(sorted(r[k] for r in runs)[len(runs) // 2], 2) for k in runs[0]}
     med.update(sessions=sessions, window=window, blocks=nb, block_nbytes=spec.block_nbytes, reps=reps,
-               carry=spec.carry, batch=spec.batch, fake=spec.fake,
+               carry=spec.carry, batch=spec.batch, coalesce=spec.coalesce, fake=spec.fake,
                clock_overhead_ns=_clock_overhead_ns(), runs=runs)
     med["max_side_cpu_us"] = max(med["sender_cpu_us"], med["receiver_cpu_us"])
     return med
